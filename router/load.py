@@ -1,0 +1,73 @@
+"""Router-side load accounting per replica, shared by the router service and the simulator.
+
+Tracks what the router itself sent: requests in flight, and uncached prompt tokens whose first
+token has not come back (the prefill work queued ahead of a new request).  It also learns each
+replica's prefill rate online: a request's first token arrives after the prefill work that was
+queued ahead of it plus its own, so (work ahead + own uncached tokens) / TTFT samples the rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .policy.base import ReplicaState
+
+DEFAULT_PREFILL_RATE = 10_000.0  # tokens/s, a prior until the first samples arrive
+RATE_EWMA_ALPHA = 0.2
+MIN_SAMPLE_TOKENS = 64  # tiny prefills are dominated by fixed costs: poor rate samples
+
+
+@dataclass
+class _Pending:
+    replica: str
+    uncached: int
+    work_ahead: int  # queued prefill tokens ahead of it, plus its own uncached tokens
+    first_token_seen: bool = False
+
+
+class LoadTracker:
+    def __init__(self, prior_rate: float = DEFAULT_PREFILL_RATE):
+        self.prior_rate = prior_rate
+        self.states: dict[str, ReplicaState] = {}
+        self._pending: dict[str, _Pending] = {}
+
+    def state(self, replica: str) -> ReplicaState:
+        st = self.states.get(replica)
+        if st is None:
+            st = self.states[replica] = ReplicaState(name=replica, prefill_rate=self.prior_rate)
+        return st
+
+    def remove(self, replica: str) -> None:
+        self.states.pop(replica, None)
+        for rid in [rid for rid, p in self._pending.items() if p.replica == replica]:
+            del self._pending[rid]
+
+    def on_routed(self, request_id: str, replica: str, uncached_tokens: int) -> None:
+        st = self.state(replica)
+        work_ahead = st.queued_prefill_tokens + uncached_tokens
+        st.in_flight += 1
+        st.queued_prefill_tokens += uncached_tokens
+        self._pending[request_id] = _Pending(replica, uncached_tokens, work_ahead)
+
+    def on_first_token(self, request_id: str, ttft_s: float) -> tuple[str, int] | None:
+        """Returns (replica, uncached tokens) of the request, or None if unknown."""
+        p = self._pending.get(request_id)
+        if p is None or p.first_token_seen:
+            return None
+        p.first_token_seen = True
+        st = self.state(p.replica)
+        st.queued_prefill_tokens = max(0, st.queued_prefill_tokens - p.uncached)
+        if ttft_s > 0 and p.work_ahead >= MIN_SAMPLE_TOKENS:
+            sample = p.work_ahead / ttft_s
+            st.prefill_rate = (1 - RATE_EWMA_ALPHA) * st.prefill_rate + RATE_EWMA_ALPHA * sample
+        return p.replica, p.uncached
+
+    def on_finished(self, request_id: str) -> None:
+        """The request ended (success, failure or abort): release everything it held."""
+        p = self._pending.pop(request_id, None)
+        if p is None:
+            return
+        st = self.state(p.replica)
+        st.in_flight = max(0, st.in_flight - 1)
+        if not p.first_token_seen:
+            st.queued_prefill_tokens = max(0, st.queued_prefill_tokens - p.uncached)

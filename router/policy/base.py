@@ -1,0 +1,65 @@
+"""The routing-policy interface shared by the router service and the fleet simulator.
+
+A policy sees one request (its block chain, the index's matches, a session key, the prompt text
+for character-matching baselines) and the current state of every eligible replica, and picks one.
+It is synchronous and does no I/O: the caller has already done the index lookup.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ReplicaState:
+    """What the router knows of one replica at decision time."""
+
+    name: str
+    healthy: bool = True
+    in_flight: int = 0  # requests routed there and not finished (router-tracked)
+    queued_prefill_tokens: int = 0  # uncached prompt tokens routed there, first token not yet back
+    running: int = 0  # vllm:num_requests_running (scraped)
+    waiting: int = 0  # vllm:num_requests_waiting (scraped)
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1 (scraped)
+    prefill_rate: float = 0.0  # tokens/s, learned online; 0 = unknown yet
+    capacity_blocks: int = 0
+
+
+@dataclass
+class RouteRequest:
+    """One request as a policy sees it."""
+
+    chain: Sequence[int]  # block hashes of the prompt (full blocks only)
+    prompt_tokens: int
+    block_size: int
+    matches: dict[str, int] = field(default_factory=dict)  # replica -> leading blocks held
+    session_key: str | None = None
+    text: str = ""  # the prompt as text, for baselines that match characters
+    now: float = 0.0  # seconds, on the caller's clock (virtual time in the simulator)
+
+
+@dataclass
+class Decision:
+    replica: str
+    reason: str  # why: "cache", "session", "load", "balance", "hash", "round_robin", ...
+    matched_blocks: int = 0  # blocks the policy believed the chosen replica held
+
+
+class Policy(abc.ABC):
+    """Pick a replica for a request.  ``replicas`` holds only healthy, eligible ones (non-empty)."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision: ...
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None:  # noqa: B027
+        """The request was sent to ``decision.replica`` (policies with their own state record it)."""
+
+    def on_first_token(self, replica: str, uncached_tokens: int, ttft_s: float) -> None:  # noqa: B027
+        """A request's first token arrived: policies that learn from timing use it."""
+
+    def forget_replica(self, replica: str) -> None:  # noqa: B027
+        """The replica left the fleet."""
