@@ -2,5 +2,6 @@
 
 from .base import PrefixIndex, ReplicaSpec
 from .memory import MemoryIndex
+from .redis_index import RedisIndex
 
-__all__ = ["PrefixIndex", "ReplicaSpec", "MemoryIndex"]
+__all__ = ["PrefixIndex", "ReplicaSpec", "MemoryIndex", "RedisIndex"]

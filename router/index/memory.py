@@ -37,6 +37,7 @@ class MemoryIndex(PrefixIndex):
             self._replicas[spec.name] = _Replica(spec)
             return
         rep.spec = spec
+        self._expire(rep, self.clock())
         self._evict_over_capacity(rep)
 
     async def remove_replica(self, name: str) -> None:
@@ -71,22 +72,30 @@ class MemoryIndex(PrefixIndex):
     # -- lookups --------------------------------------------------------------------------
     async def lookup(self, chain: Sequence[int]) -> dict[str, int]:
         now = self.clock()
+        blocks = self._blocks
         matched: dict[str, int] = {}
-        alive: set[str] | None = None
-        depth = 0
-        for h in chain:
-            holders = self._blocks.get(h)
-            if not holders:
+        alive: list[str] = []
+        for depth, h in enumerate(chain):
+            holders = blocks.get(h)
+            if holders is None:
                 break
-            if alive is None:
-                alive = {r for r, exp in holders.items() if exp == CONFIRMED or exp > now}
+            if depth == 0:
+                alive = [r for r, exp in holders.items() if exp == CONFIRMED or exp > now]
             else:
-                alive = {r for r in alive if (exp := holders.get(r)) is not None and (exp == CONFIRMED or exp > now)}
+                still = []
+                for r in alive:
+                    exp = holders.get(r)
+                    if exp is not None and (exp == CONFIRMED or exp > now):
+                        still.append(r)
+                    else:
+                        matched[r] = depth
+                alive = still
             if not alive:
-                break
-            depth += 1
-            for r in alive:
-                matched[r] = depth
+                return matched
+        else:
+            depth = len(chain)
+        for r in alive:  # the ones that matched to the end (or to the first unknown block)
+            matched[r] = depth
         return matched
 
     # -- writes ---------------------------------------------------------------------------
@@ -96,27 +105,15 @@ class MemoryIndex(PrefixIndex):
             return
         now = self.clock()
         self._expire(rep, now)
-        if rep.spec.publishes_events:
-            expiry = now + self.predicted_ttl_s
-        else:
-            expiry = PINNED
-        for h in chain:
-            holders = self._blocks.setdefault(h, {})
-            if holders.get(replica) != CONFIRMED:
-                holders[replica] = expiry
-                if expiry != PINNED:
-                    rep.expiries.append((expiry, h))
-            self._touch(rep, h)
-        self._evict_over_capacity(rep)
+        expiry = now + self.predicted_ttl_s if rep.spec.publishes_events else PINNED
+        self._write(rep, chain, expiry)
 
     async def confirm(self, replica: str, hashes: Sequence[int]) -> None:
         rep = self._replicas.get(replica)
         if rep is None:
             return
-        for h in hashes:
-            self._blocks.setdefault(h, {})[replica] = CONFIRMED
-            self._touch(rep, h)
-        self._evict_over_capacity(rep)
+        self._expire(rep, self.clock())  # expired predictions must not take capacity
+        self._write(rep, hashes, CONFIRMED)
 
     async def remove(self, replica: str, hashes: Sequence[int]) -> None:
         rep = self._replicas.get(replica)
@@ -128,13 +125,33 @@ class MemoryIndex(PrefixIndex):
                 self._drop(h, replica)
 
     # -- internals ------------------------------------------------------------------------
-    @staticmethod
-    def _touch(rep: _Replica, h: int) -> None:
-        lru = rep.lru
-        if h in lru:
-            lru.move_to_end(h)
-        else:
-            lru[h] = None
+    def _write(self, rep: _Replica, hashes: Sequence[int], expiry: float) -> None:
+        """Set entries (a confirmation is never downgraded to a prediction) and touch the LRU.
+
+        Walks the chain backwards so that its head ends up most recently used: capacity
+        eviction then takes tails first, as the engine's own free queue does, instead of
+        the shared head that every longer prefix depends on.
+        """
+        blocks, lru, name = self._blocks, rep.lru, rep.spec.name
+        move = lru.move_to_end
+        timed = expiry != PINNED and expiry != CONFIRMED
+        expiries = rep.expiries
+        for h in reversed(hashes):
+            holders = blocks.get(h)
+            if holders is None:
+                blocks[h] = {name: expiry}
+            elif expiry == CONFIRMED or holders.get(name) != CONFIRMED:
+                holders[name] = expiry
+            else:
+                move(h)  # confirmed already: only refresh its recency
+                continue
+            if timed:
+                expiries.append((expiry, h))
+            if h in lru:
+                move(h)
+            else:
+                lru[h] = None
+        self._evict_over_capacity(rep)
 
     def _drop(self, h: int, replica: str) -> None:
         holders = self._blocks.get(h)

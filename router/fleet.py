@@ -1,0 +1,603 @@
+"""The router's view of its replicas: where they come from, whether they are up, how loaded.
+
+Discovery merges three sources, any of which may be combined: a static list, registrations in
+Redis (a registration whose TTL lapses leaves) and a DNS name whose addresses are the replicas (a
+Kubernetes headless service).  A source that fails to answer keeps its last answer, so a Redis or
+DNS blip never empties the fleet.
+
+Every health interval each replica's ``/health`` is probed; ``unhealthy_after`` failures in a row
+take it out, and its prefix-index entries are dropped (after a crash its cache state is unknown).
+It comes back at the first successful probe, once its ``/v1/models`` has been read.  Load is
+scraped from ``/metrics`` every metrics interval.  Each probe and scrape runs as its own task with
+its own timeout, at most one of each kind per replica at a time, so a slow replica never delays
+the others.  The proxy reports request outcomes to a per-replica circuit breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+import redis.asyncio as aioredis
+from pydantic import BaseModel, Field, field_validator
+
+from .breaker import BreakerState, CircuitBreaker
+from .index.base import PrefixIndex, ReplicaSpec
+from .load import LoadTracker
+from .registry import ReplicaRecord, list_replicas
+from .scrape import parse_vllm_metrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default
+Source = Literal["static", "redis", "dns"]
+FleetEvent = Literal["joined", "left", "up", "down", "restarted", "changed"]
+
+
+class FleetSettings(BaseModel):
+    replicas: list[str] = []  # static base URLs, e.g. http://127.0.0.1:8001
+    discovery_redis: bool = False  # read registrations from Redis (needs redis_url)
+    redis_url: str | None = None
+    redis_key_prefix: str = "kvroute"
+    registration_ttl_s: float = Field(15.0, gt=0)  # for launchers registering replicas
+    dns_name: str | None = None  # host:port of a headless service; each A/AAAA record is a replica
+    dns_scheme: str = "http"
+    # "auto": IPv4 addresses when the name has any, else IPv6 (a dual-stack pod, or localhost,
+    # answers with both families: counting it twice would double its share of traffic).
+    dns_family: Literal["auto", "ipv4", "ipv6", "both"] = "auto"
+    replica_api_key: str | None = None  # sent upstream as Bearer (separate from client keys)
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(1.0, gt=0)
+    unhealthy_after: int = Field(3, ge=1)  # consecutive failed health checks that take a replica out
+    metrics_interval_s: float = Field(1.0, gt=0)
+    metrics_timeout_s: float = Field(1.0, gt=0)
+    models_refresh_s: float = Field(30.0, gt=0)  # re-read /v1/models of healthy replicas
+    discovery_timeout_s: float = Field(2.0, gt=0)  # Redis listing or DNS lookup
+    breaker_failures: int = Field(3, ge=1)  # consecutive failures that open the circuit
+    breaker_cooldown_s: float = Field(5.0, gt=0)  # open -> half-open after this
+    block_size: int | None = Field(None, gt=0)  # override; else from vllm:cache_config_info
+    capacity_blocks: int | None = Field(None, gt=0)  # override; else num_gpu_blocks label
+    fallback_capacity_blocks: int = Field(65536, gt=0)  # index bound while a capacity is unknown
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _split_replicas(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "url,url" from an environment variable or a flag
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+def select_addresses(infos: list[tuple[Any, ...]], family: str = "auto") -> list[str]:
+    """Distinct addresses of a getaddrinfo answer, of the family asked for.
+
+    "auto" takes the IPv4 addresses when there are any, else the IPv6 ones: a dual-stack host
+    answers with one of each, and must count as one replica, not two.
+    """
+    v4 = sorted({info[4][0] for info in infos if info[0] == socket.AF_INET})
+    v6 = sorted({info[4][0] for info in infos if info[0] == socket.AF_INET6})
+    if family == "ipv4" or (family == "auto" and v4):
+        return v4
+    if family in ("ipv6", "auto"):
+        return v6
+    return v4 + v6
+
+
+def address_url(scheme: str, address: str, port: int) -> str:
+    return f"{scheme}://[{address}]:{port}" if ":" in address else f"{scheme}://{address}:{port}"
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str  # stable id: its base URL
+    url: str
+    breaker: CircuitBreaker  # .allow(), .record_success(), .record_failure(), .state
+    models: set[str] = field(default_factory=set)  # from its /v1/models
+    model_cards: list[dict[str, Any]] = field(default_factory=list)
+    block_size: int | None = None  # effective: configured, else scraped, else registered
+    capacity_blocks: int | None = None
+    events_endpoint: str | None = None  # from its Redis registration when present
+    replay_endpoint: str | None = None
+    healthy: bool = False
+    draining: bool = False
+    # scraped load
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    last_scrape: float | None = None  # time.monotonic() of the last successful scrape
+    # bookkeeping
+    sources: set[str] = field(default_factory=set)
+    record: ReplicaRecord | None = None
+    health_failures: int = 0  # consecutive
+    models_read_at: float | None = None
+    process_start_time: float | None = None
+    scraped_block_size: int | None = None
+    scraped_capacity: int | None = None
+    indexed_spec: ReplicaSpec | None = None  # what the index was last told; None = not in it
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+
+@dataclass
+class ReplicaStatus:
+    """Plain data for metrics and the admin API."""
+
+    name: str
+    healthy: bool
+    draining: bool
+    breaker_state: BreakerState
+    breaker_opened_total: int
+    in_flight: int
+    queued_prefill_tokens: int
+    running: int
+    waiting: int
+    kv_usage: float
+    models: list[str]
+    block_size: int | None
+    capacity_blocks: int | None
+    sources: list[str]
+    events_endpoint: str | None
+    health_failures: int
+    scrape_age_s: float | None
+
+
+class Fleet:
+    def __init__(
+        self,
+        settings: FleetSettings,
+        session: aiohttp.ClientSession,
+        *,
+        load: LoadTracker,
+        index: PrefixIndex,
+        redis: aioredis.Redis | None = None,  # else created from settings.redis_url when needed
+    ):
+        self.settings = settings
+        self.session = session
+        self.load = load
+        self.index = index
+        self._redis = redis
+        self._owns_redis = False
+        self._replicas: dict[str, Replica] = {}
+        self._redis_seen: dict[str, ReplicaRecord] = {}  # last successful listing, by URL
+        self._dns_seen: set[str] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._listeners: list[Callable[[FleetEvent, Replica], None]] = []
+        self._block_size_warned: set[str] = set()
+        self._headers = {"Authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """One full round (discovery, health, models, metrics), then the background loops."""
+        if self.settings.discovery_redis and self._redis is None:
+            if not self.settings.redis_url:
+                raise ValueError("discovery_redis needs redis_url")
+            timeout = self.settings.discovery_timeout_s
+            self._redis = aioredis.Redis.from_url(
+                self.settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+            )
+            self._owns_redis = True
+        await self._discover()
+        results = await asyncio.gather(*(self._probe(r) for r in list(self._replicas.values())), return_exceptions=True)
+        for exc in results:
+            if isinstance(exc, Exception):
+                log.error("first health round failed", exc_info=exc)
+        self._loops = [
+            asyncio.create_task(self._every(self.settings.health_interval_s, self._health_round)),
+            asyncio.create_task(self._every(self.settings.metrics_interval_s, self._metrics_round)),
+        ]
+
+    async def stop(self) -> None:
+        tasks = list(self._loops)
+        for r in self._replicas.values():
+            tasks.extend(r.tasks.values())
+            r.tasks.clear()
+        self._loops = []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._owns_redis and self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+            self._owns_redis = False
+
+    def subscribe(self, callback: Callable[[FleetEvent, Replica], None]) -> None:
+        """Call ``callback(event, replica)`` on joined/left/up/down/restarted/changed (a KV-event
+        subscriber follows joined/changed/left; "changed" means new event endpoints)."""
+        self._listeners.append(callback)
+
+    # -- queries (synchronous, no I/O) --------------------------------------------------------
+    def replicas(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def get(self, name: str) -> Replica | None:
+        return self._replicas.get(name)
+
+    def eligible(self, model: str) -> list[Replica]:
+        """Healthy, not draining, serving ``model``, breaker allowing (a half-open one grants its trial)."""
+        return [
+            r
+            for r in self._replicas.values()
+            if r.healthy and not r.draining and model in r.models and r.breaker.allow()
+        ]
+
+    def models(self) -> dict[str, list[Replica]]:
+        out: dict[str, list[Replica]] = {}
+        for r in self._replicas.values():
+            if r.healthy:
+                for m in sorted(r.models):
+                    out.setdefault(m, []).append(r)
+        return out
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The union of the healthy replicas' /v1/models entries (first card of each id wins)."""
+        cards: dict[str, dict[str, Any]] = {}
+        for r in self._replicas.values():
+            if r.healthy:
+                for card in r.model_cards:
+                    cards.setdefault(card["id"], card)
+        return list(cards.values())
+
+    def block_size(self, model: str) -> int:
+        if self.settings.block_size:
+            return self.settings.block_size
+        serving = [r for r in self._replicas.values() if model in r.models]
+        sizes = [r.block_size for r in sorted(serving, key=lambda r: not r.healthy) if r.block_size]
+        if not sizes:
+            return DEFAULT_BLOCK_SIZE
+        if len(set(sizes)) > 1 and model not in self._block_size_warned:
+            # Chains hashed with one size never match blocks of another: routing for this model
+            # degrades to load balancing on the replicas that differ.
+            self._block_size_warned.add(model)
+            log.warning("replicas of model %s disagree on block size: %s", model, sorted(set(sizes)))
+        return sizes[0]
+
+    def ready(self) -> bool:
+        return any(r.healthy and not r.draining for r in self._replicas.values())
+
+    def upstream_headers(self) -> dict[str, str]:
+        return dict(self._headers)
+
+    def status(self) -> list[ReplicaStatus]:
+        now = time.monotonic()
+        out = []
+        for r in self._replicas.values():
+            st = self.load.states.get(r.name)
+            out.append(
+                ReplicaStatus(
+                    name=r.name,
+                    healthy=r.healthy,
+                    draining=r.draining,
+                    breaker_state=r.breaker.state,
+                    breaker_opened_total=r.breaker.opened_times,
+                    in_flight=st.in_flight if st else 0,
+                    queued_prefill_tokens=st.queued_prefill_tokens if st else 0,
+                    running=r.running,
+                    waiting=r.waiting,
+                    kv_usage=r.kv_usage,
+                    models=sorted(r.models),
+                    block_size=r.block_size,
+                    capacity_blocks=r.capacity_blocks,
+                    sources=sorted(r.sources),
+                    events_endpoint=r.events_endpoint,
+                    health_failures=r.health_failures,
+                    scrape_age_s=None if r.last_scrape is None else now - r.last_scrape,
+                )
+            )
+        return out
+
+    # -- reports from the proxy and the admin API ---------------------------------------------
+    def report_success(self, name: str) -> None:
+        r = self._replicas.get(name)
+        if r is not None:
+            r.breaker.record_success()
+
+    def report_failure(self, name: str) -> None:
+        """A connect error or a 5xx before the first byte: count it, and probe health right away."""
+        r = self._replicas.get(name)
+        if r is None:
+            return
+        r.breaker.record_failure()
+        if self._loops:  # not after stop()
+            self._spawn(r, "health", self._probe)
+
+    async def drain(self, name: str) -> bool:
+        """Stop routing new requests to it (in-flight ones finish).  False if unknown."""
+        r = self._replicas.get(name)
+        if r is None:
+            return False
+        r.draining = True
+        return True
+
+    async def undrain(self, name: str) -> bool:
+        r = self._replicas.get(name)
+        if r is None:
+            return False
+        r.draining = False
+        return True
+
+    # -- loops --------------------------------------------------------------------------------
+    @staticmethod
+    async def _every(interval: float, round_fn: Callable[[], Awaitable[None]]) -> None:
+        next_at = time.monotonic() + interval
+        while True:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at = max(next_at + interval, time.monotonic())
+            try:
+                await round_fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug in one round must not end the loop
+                log.exception("fleet round failed")
+
+    async def _health_round(self) -> None:
+        await self._discover()
+        for r in list(self._replicas.values()):
+            self._spawn(r, "health", self._probe)
+
+    async def _metrics_round(self) -> None:
+        for r in list(self._replicas.values()):
+            if r.healthy:
+                self._spawn(r, "metrics", self._scrape)
+
+    def _spawn(self, r: Replica, kind: str, fn: Callable[[Replica], Awaitable[None]]) -> None:
+        """Run ``fn(r)`` as a task unless one of this kind is still running for this replica."""
+        running = r.tasks.get(kind)
+        if running is not None and not running.done():
+            return
+        task = asyncio.create_task(fn(r))
+        r.tasks[kind] = task
+        task.add_done_callback(_log_task_failure)
+
+    def _current(self, r: Replica) -> bool:
+        """Still the same replica object (not removed, not replaced) after an await."""
+        return self._replicas.get(r.name) is r
+
+    def _notify(self, event: FleetEvent, r: Replica) -> None:
+        for cb in self._listeners:
+            try:
+                cb(event, r)
+            except Exception:  # noqa: BLE001 - a listener's bug must not break the fleet
+                log.exception("fleet listener failed on %s %s", event, r.name)
+
+    # -- discovery ----------------------------------------------------------------------------
+    async def _discover(self) -> None:
+        desired: dict[str, set[str]] = {}
+        for url in self.settings.replicas:
+            desired.setdefault(normalize_url(url), set()).add("static")
+        if self.settings.discovery_redis and self._redis is not None:
+            try:
+                records = await asyncio.wait_for(
+                    list_replicas(self._redis, self.settings.redis_key_prefix), self.settings.discovery_timeout_s
+                )
+                self._redis_seen = {normalize_url(rec.url): rec for rec in records}
+            except (aioredis.RedisError, OSError, TimeoutError) as exc:
+                log.warning("Redis discovery failed, keeping %d known registrations: %s", len(self._redis_seen), exc)
+            for url in self._redis_seen:
+                desired.setdefault(url, set()).add("redis")
+        if self.settings.dns_name:
+            try:
+                self._dns_seen = await asyncio.wait_for(self._resolve_dns(), self.settings.discovery_timeout_s)
+            except (OSError, TimeoutError, ValueError) as exc:
+                log.warning("DNS discovery of %s failed, keeping %d addresses: %s",
+                            self.settings.dns_name, len(self._dns_seen), exc)
+            for url in self._dns_seen:
+                desired.setdefault(url, set()).add("dns")
+
+        for name, sources in desired.items():
+            r = self._replicas.get(name)
+            joined = r is None
+            if r is None:
+                r = Replica(
+                    name=name,
+                    url=name,
+                    breaker=CircuitBreaker(self.settings.breaker_failures, self.settings.breaker_cooldown_s),
+                )
+                self._replicas[name] = r
+                log.info("replica %s joined (%s)", name, ",".join(sorted(sources)))
+            r.sources = sources
+            record = self._redis_seen.get(name) if "redis" in sources else None
+            endpoints_changed = False
+            if record != r.record:
+                r.record = record
+                endpoints = (record.events_endpoint, record.replay_endpoint) if record else (None, None)
+                endpoints_changed = endpoints != (r.events_endpoint, r.replay_endpoint)
+                r.events_endpoint, r.replay_endpoint = endpoints
+                self._resolve_geometry(r)
+                await self._sync_index(r)
+            if joined:
+                self._notify("joined", r)
+            elif endpoints_changed:
+                self._notify("changed", r)  # e.g. re-registered with new KV-event endpoints
+        for name in [n for n in self._replicas if n not in desired]:
+            await self._remove(self._replicas[name])
+
+    async def _resolve_dns(self) -> set[str]:
+        host, _, port_text = self.settings.dns_name.rpartition(":")  # type: ignore[union-attr]
+        if not host or not port_text.isdigit():
+            raise ValueError(f"dns_name must be host:port, got {self.settings.dns_name!r}")
+        infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port_text), type=socket.SOCK_STREAM)
+        addresses = select_addresses(infos, self.settings.dns_family)
+        return {address_url(self.settings.dns_scheme, a, int(port_text)) for a in addresses}
+
+    async def _remove(self, r: Replica) -> None:
+        del self._replicas[r.name]
+        tasks = list(r.tasks.values())
+        r.tasks.clear()
+        for t in tasks:
+            t.cancel()
+        # Wait for them so that no index write of theirs lands after the removal below.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        r.healthy = False
+        log.info("replica %s left", r.name)
+        await self._index_call(self.index.remove_replica(r.name), r)
+        r.indexed_spec = None
+        self.load.remove(r.name)
+        self._notify("left", r)
+
+    # -- health -------------------------------------------------------------------------------
+    async def _probe(self, r: Replica) -> None:
+        ok = await self._get_ok(r, "/health", self.settings.health_timeout_s)
+        if not self._current(r):
+            return
+        if not ok:
+            r.health_failures += 1
+            if r.healthy and r.health_failures >= self.settings.unhealthy_after:
+                await self._mark_down(r)
+            return
+        r.health_failures = 0
+        models_due = r.models_read_at is None or time.monotonic() - r.models_read_at >= self.settings.models_refresh_s
+        if r.healthy:
+            if models_due:
+                await self._read_models(r)
+            return
+        # (Re)appearing: learn what it serves and its cache geometry before routing to it.
+        if not await self._read_models(r):
+            return
+        await self._scrape(r)
+        if self._current(r) and not r.healthy:
+            await self._mark_up(r)
+
+    async def _mark_up(self, r: Replica) -> None:
+        r.healthy = True
+        self.load.state(r.name).healthy = True
+        log.info("replica %s is up (models %s)", r.name, sorted(r.models))
+        await self._sync_index(r)
+        self._notify("up", r)
+
+    async def _mark_down(self, r: Replica) -> None:
+        r.healthy = False
+        st = self.load.state(r.name)
+        st.healthy = False
+        st.running = st.waiting = 0
+        log.warning("replica %s is down after %d failed health checks", r.name, r.health_failures)
+        # Whatever it cached is gone or unknown once it crashed: drop its index entries.
+        await self._index_call(self.index.remove_replica(r.name), r)
+        r.indexed_spec = None
+        r.process_start_time = None
+        r.models_read_at = None  # read again when it comes back: it may serve something else
+        self._notify("down", r)
+
+    async def _get_ok(self, r: Replica, path: str, timeout: float) -> bool:
+        try:
+            async with self.session.get(
+                r.url + path, headers=self._headers, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    async def _read_models(self, r: Replica) -> bool:
+        try:
+            async with self.session.get(
+                r.url + "/v1/models",
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    log.warning("replica %s: /v1/models answered %d", r.name, resp.status)
+                    return False
+                body = await resp.json(content_type=None)
+            cards = [c for c in body["data"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            log.warning("replica %s: reading /v1/models failed: %r", r.name, exc)
+            return False
+        if not self._current(r):
+            return False
+        r.model_cards = cards
+        r.models = {c["id"] for c in cards}
+        r.models_read_at = time.monotonic()
+        return True
+
+    # -- load ---------------------------------------------------------------------------------
+    async def _scrape(self, r: Replica) -> None:
+        try:
+            async with self.session.get(
+                r.url + "/metrics",
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=self.settings.metrics_timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+            scraped = parse_vllm_metrics(text)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
+            log.debug("replica %s: scraping /metrics failed: %r", r.name, exc)
+            return
+        if not self._current(r):
+            return
+        r.running, r.waiting, r.kv_usage = scraped.running, scraped.waiting, scraped.kv_usage
+        r.last_scrape = time.monotonic()
+        r.scraped_block_size, r.scraped_capacity = scraped.block_size, scraped.capacity_blocks
+        restarted = (
+            r.process_start_time is not None
+            and scraped.process_start_time is not None
+            and scraped.process_start_time != r.process_start_time
+        )
+        r.process_start_time = scraped.process_start_time
+        self._resolve_geometry(r)
+        st = self.load.state(r.name)
+        st.running, st.waiting, st.kv_usage = r.running, r.waiting, r.kv_usage
+        st.capacity_blocks = r.capacity_blocks or self.settings.fallback_capacity_blocks
+        st.healthy = r.healthy
+        if restarted and r.indexed_spec is not None:
+            # Restarted between two health checks: its cache is empty, whatever the index says.
+            log.warning("replica %s restarted: dropping its index entries", r.name)
+            await self._index_call(self.index.clear_replica(r.name), r)
+            self._notify("restarted", r)
+        await self._sync_index(r)
+
+    def _resolve_geometry(self, r: Replica) -> None:
+        rec = r.record
+        r.block_size = self.settings.block_size or r.scraped_block_size or (rec.block_size if rec else None)
+        r.capacity_blocks = self.settings.capacity_blocks or r.scraped_capacity or (
+            rec.capacity_blocks if rec else None
+        )
+
+    async def _sync_index(self, r: Replica) -> None:
+        """Tell the index about a healthy replica whose spec is new or changed."""
+        if not r.healthy:
+            return
+        spec = ReplicaSpec(
+            name=r.name,
+            capacity_blocks=r.capacity_blocks or self.settings.fallback_capacity_blocks,
+            publishes_events=bool(r.events_endpoint),
+        )
+        if spec != r.indexed_spec and await self._index_call(self.index.add_replica(spec), r):
+            r.indexed_spec = spec
+
+    @staticmethod
+    async def _index_call(call: Awaitable[None], r: Replica) -> bool:
+        """Index writes may go to Redis: an outage is logged, the fleet keeps its own state."""
+        try:
+            await call
+            return True
+        except (aioredis.RedisError, OSError, TimeoutError) as exc:
+            log.warning("index update for replica %s failed: %s", r.name, exc)
+            return False
+
+
+def _log_task_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("fleet task failed", exc_info=task.exception())
+
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "Fleet",
+    "FleetSettings",
+    "Replica",
+    "ReplicaStatus",
+    "address_url",
+    "normalize_url",
+    "select_addresses",
+]

@@ -1,0 +1,133 @@
+"""Replica registration in Redis, written by replica launchers and read by routers.
+
+Each replica owns a hash ``<prefix>:replicas:<name>`` whose TTL its heartbeats refresh: a replica
+that stops heartbeating (crashed, partitioned) disappears by itself once the TTL lapses.  A set
+``<prefix>:replica_names`` lists the names so routers need no SCAN over a shared keyspace; members
+whose hash has lapsed are pruned when listed, and every heartbeat re-adds its own name (so a prune
+racing a re-registration heals within one heartbeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ValidationError, model_validator
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaRecord(BaseModel):
+    url: str  # base URL of its OpenAI server, e.g. http://10.0.0.5:8000
+    name: str = ""  # registration id; defaults to the URL
+    model: str | None = None
+    events_endpoint: str | None = None  # ZMQ PUB endpoint of its KV events, as a subscriber dials it
+    replay_endpoint: str | None = None
+    block_size: int | None = None
+    capacity_blocks: int | None = None
+    engine: str = "vllm"  # "vllm" | "emulated"
+
+    @model_validator(mode="after")
+    def _default_name(self) -> ReplicaRecord:
+        self.url = self.url.rstrip("/")
+        if not self.name:
+            self.name = self.url
+        return self
+
+    def to_hash(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self.model_dump().items() if v is not None}
+
+
+def record_key(prefix: str, name: str) -> str:
+    return f"{prefix}:replicas:{name}"
+
+
+def names_key(prefix: str) -> str:
+    return f"{prefix}:replica_names"
+
+
+def _ttl_ms(ttl: float) -> int:
+    return max(1, int(ttl * 1000))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def register(redis: aioredis.Redis, prefix: str, record: ReplicaRecord, ttl: float) -> None:
+    """Write (or overwrite) the record with a fresh TTL."""
+    key = record_key(prefix, record.name)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(key)  # fields set to None since the last registration must not linger
+        pipe.hset(key, mapping=record.to_hash())
+        pipe.pexpire(key, _ttl_ms(ttl))
+        pipe.sadd(names_key(prefix), record.name)
+        await pipe.execute()
+
+
+async def heartbeat(redis: aioredis.Redis, prefix: str, record: ReplicaRecord, ttl: float) -> bool:
+    """Refresh the TTL.  Returns False if the registration had lapsed (it is then rewritten)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.pexpire(record_key(prefix, record.name), _ttl_ms(ttl))
+        pipe.sadd(names_key(prefix), record.name)
+        refreshed, _ = await pipe.execute()
+    if not refreshed:
+        await register(redis, prefix, record, ttl)
+        return False
+    return True
+
+
+async def deregister(redis: aioredis.Redis, prefix: str, name: str) -> None:
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(record_key(prefix, name))
+        pipe.srem(names_key(prefix), name)
+        await pipe.execute()
+
+
+async def list_replicas(redis: aioredis.Redis, prefix: str) -> list[ReplicaRecord]:
+    """Live registrations (TTL not lapsed), sorted by name.  Two round trips."""
+    names = sorted(_text(n) for n in await redis.smembers(names_key(prefix)))
+    if not names:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hgetall(record_key(prefix, name))
+        hashes = await pipe.execute()
+    records: list[ReplicaRecord] = []
+    lapsed: list[str] = []
+    for name, raw in zip(names, hashes, strict=True):
+        if not raw:
+            lapsed.append(name)
+            continue
+        try:
+            records.append(ReplicaRecord(**{_text(k): _text(v) for k, v in raw.items()}))
+        except ValidationError as exc:
+            log.warning("ignoring malformed registration %s: %s", name, exc)
+    if lapsed:
+        await redis.srem(names_key(prefix), *lapsed)
+    return records
+
+
+async def keep_registered(
+    redis: aioredis.Redis, prefix: str, record: ReplicaRecord, ttl: float, interval: float | None = None
+) -> None:
+    """Register, then heartbeat every ``interval`` (default ttl/3) until cancelled.
+
+    Redis being unreachable is logged and retried: the registration lapses meanwhile, and is
+    rewritten by the first heartbeat that gets through.  Cancelling does not deregister (the caller
+    decides: a clean shutdown should, a crash cannot).
+    """
+    interval = ttl / 3 if interval is None else interval
+    registered = False
+    while True:
+        try:
+            if registered:
+                await heartbeat(redis, prefix, record, ttl)
+            else:
+                await register(redis, prefix, record, ttl)
+                registered = True
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("registration of %s in Redis failed: %s", record.name, exc)
+        await asyncio.sleep(interval)

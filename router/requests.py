@@ -1,0 +1,174 @@
+"""Validation of completion and chat request bodies.
+
+The body is parsed to be checked and read (model, prompt or messages, stream flags, user,
+cache_salt), but what goes upstream is the client's original JSON: its bytes untouched when the
+router adds nothing, else the original dict plus only the router's additions.  The models below
+therefore check the fields the router reads or whose wrong type would only fail later on the
+replica; every other field passes through unvalidated (``extra="allow"``).
+
+Bad input is a 400 in OpenAI's error shape, with ``param`` naming the offending field, as vLLM and
+OpenAI answer it (422 would make the SDK raise a different exception class for the same mistake).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, ValidationError
+
+from .errors import ApiError
+
+# Token ids are hashed as uint32: anything outside that range is a client error, not a crash.
+TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**32)]
+Number = Annotated[float, Strict()]  # strict float still accepts ints, never strings
+PositiveInt = Annotated[int, Strict(), Field(ge=1)]
+NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
+
+
+class _CommonRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: Annotated[StrictStr, Field(min_length=1)]
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    cache_salt: StrictStr | None = None
+    max_tokens: NonNegativeInt | None = None
+    max_completion_tokens: NonNegativeInt | None = None
+    n: PositiveInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: (
+        Annotated[StrictStr, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Annotated[StrictStr, Field(min_length=1)]
+    content: StrictStr | list[ContentPart] | None = None
+
+
+class ChatRequest(_CommonRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+Kind = Literal["completion", "chat"]
+_MODELS: dict[Kind, type[_CommonRequest]] = {"completion": CompletionRequest, "chat": ChatRequest}
+_decode = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder()
+
+
+@dataclass
+class ParsedRequest:
+    kind: Kind
+    raw: bytes  # the client's bytes, forwarded as they are when nothing is added
+    body: dict[str, Any]  # the client's JSON, never mutated
+    request: CompletionRequest | ChatRequest
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.request.stream)
+
+    @property
+    def client_wants_usage(self) -> bool:
+        opts = self.request.stream_options
+        return bool(opts and opts.include_usage)
+
+    def forward_body(self, additions: dict[str, Any]) -> bytes:
+        """The bytes to send upstream: the original, plus only the router's additions."""
+        if not additions:
+            return self.raw
+        return _encode.encode({**self.body, **additions})
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400."""
+    if not raw:
+        raise ApiError(400, "request body is empty: a JSON object is required", code="invalid_json")
+    try:
+        body = _decode.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+# what a union-typed field accepts, for a readable message (pydantic reports each member's failure)
+_UNION_HINTS = {
+    "prompt": "a non-empty string, list of token ids (0 <= id < 2**32), list of strings or list of token-id lists",
+    "content": "a string, a list of content parts or null",
+}
+
+
+def _is_union_tag(part: str) -> bool:
+    return any(c in part for c in "[]-")
+
+
+def _body_path(body: Any, loc: tuple) -> tuple[list[str], bool]:
+    """The error's location as a path in the body; True if pydantic named union members in it."""
+    path: list[str] = []
+    in_union = False
+    node = body
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        elif isinstance(node, dict) and isinstance(part, str) and not _is_union_tag(part):
+            node = None  # a missing key: still part of the path
+        else:
+            in_union = True  # a union member's name (e.g. 'constrained-str'), not a body key
+            continue
+        path.append(str(part))
+    return path, in_union
+
+
+def validation_error(exc: ValidationError, body: Any) -> ApiError:
+    """The first problem pydantic found, as the OpenAI error clients expect."""
+    err = exc.errors(include_url=False)[0]
+    path, in_union = _body_path(body, err["loc"])
+    param = ".".join(path) or None
+    if err["type"] == "missing":
+        return ApiError(400, f"missing required parameter: {param!r}", param=param, code="missing_required_parameter")
+    hint = _UNION_HINTS.get(path[-1]) if in_union and path else None
+    detail = f"expected {hint}" if hint else err["msg"]
+    return ApiError(400, f"invalid value for {param!r}: {detail}", param=param, code="invalid_type")
+
+
+def parse_request(kind: Kind, raw: bytes) -> ParsedRequest:
+    body = decode_json_object(raw)
+    try:
+        request = _MODELS[kind].model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc, body) from None
+    return ParsedRequest(kind=kind, raw=raw, body=body, request=request)  # type: ignore[arg-type]
+
+
+def prompt_batch(prompt: str | list) -> list[str | list[int]]:
+    """A completion prompt as a list of prompts (vLLM treats a list of them as a batch)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)

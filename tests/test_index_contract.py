@@ -1,0 +1,440 @@
+"""One contract for every prefix-index backend: memory (on a fake clock) and Redis (the real server).
+
+Time: the memory index runs on a fake clock that tests advance; the Redis index uses Redis's own
+clock, so its tests really sleep, and only ever assert "expired" after a sleep longer than the TTL
+(sleeps never run short) or "still live" with a wide margin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.blocks import HASH_SCHEME
+from router.index import MemoryIndex, PrefixIndex, RedisIndex, ReplicaSpec
+
+CHAIN = [0xFFFF_FFFF_FFFF_FFFF - i for i in range(12)]  # near 2**64: the encoding must be unsigned
+OTHER_CHAIN = list(range(1000, 1012))
+TTL = 0.2
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Backend:
+    """Builds indexes of one kind; ``advance`` lets at least ``dt`` seconds pass for them."""
+
+    make: Callable[[float], PrefixIndex]
+    advance: Callable[[float], Awaitable[None]]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend_kind(request) -> tuple[str, str | None, str | None]:
+    """(kind, Redis URL, key prefix); a sync fixture, so Redis is only required for the Redis case."""
+    if request.param == "redis":
+        return "redis", request.getfixturevalue("redis_url"), request.getfixturevalue("redis_prefix")
+    return "memory", None, None
+
+
+@pytest.fixture
+async def backend(backend_kind):
+    kind, url, prefix = backend_kind
+    made: list[PrefixIndex] = []
+    clock = FakeClock()
+
+    def make(ttl: float) -> PrefixIndex:
+        if kind == "memory":
+            index: PrefixIndex = MemoryIndex(predicted_ttl_s=ttl, clock=clock)
+        else:
+            index = RedisIndex(url, key_prefix=prefix, predicted_ttl_s=ttl)
+        made.append(index)
+        return index
+
+    async def advance(dt: float) -> None:
+        if kind == "memory":
+            clock.now += dt
+        else:
+            await asyncio.sleep(dt)
+
+    yield Backend(make, advance)
+    for index in made:
+        await index.close()
+
+
+async def index_with(backend: Backend, *specs: ReplicaSpec, ttl: float = TTL) -> PrefixIndex:
+    index = backend.make(ttl)
+    for s in specs:
+        await index.add_replica(s)
+    return index
+
+
+def spec(name: str, capacity: int = 1000, events: bool = False) -> ReplicaSpec:
+    return ReplicaSpec(name, capacity, events)
+
+
+# -- leading-run semantics -----------------------------------------------------------------
+async def test_unknown_chain_and_empty_chain_match_nothing(backend):
+    index = await index_with(backend, spec("a"))
+    await index.record_prediction("a", CHAIN)
+    assert await index.lookup(OTHER_CHAIN) == {}
+    assert await index.lookup([]) == {}
+
+
+async def test_each_replica_reports_its_own_leading_run(backend):
+    index = await index_with(backend, spec("a"), spec("b"), spec("c", events=True))
+    await index.confirm("a", CHAIN[:10])
+    await index.record_prediction("b", CHAIN[:4])
+    await index.record_prediction("c", CHAIN[1:8])  # everything but the first block
+    assert await index.lookup(CHAIN) == {"a": 10, "b": 4}
+    assert await index.lookup(CHAIN[:3]) == {"a": 3, "b": 3}
+
+
+async def test_a_gap_stops_the_count(backend):
+    index = await index_with(backend, spec("a", events=True), spec("b"))
+    await index.confirm("a", CHAIN)
+    await index.remove("a", [CHAIN[5]])
+    await index.record_prediction("b", CHAIN[:3] + CHAIN[4:])  # holds block 4 onwards, not block 3
+    assert await index.lookup(CHAIN) == {"a": 5, "b": 3}
+
+
+async def test_a_gap_stops_the_count_across_confirmed_and_predicted_blocks(backend):
+    index = await index_with(backend, spec("a", events=True))
+    chain = list(range(1, 41))
+    await index.confirm("a", chain[:20])
+    await index.record_prediction("a", chain[20:28] + chain[29:])  # block 28 is missing
+    assert await index.lookup(chain) == {"a": 28}
+
+
+async def test_writes_for_unregistered_replicas_are_ignored(backend):
+    index = await index_with(backend, spec("a"))
+    await index.record_prediction("ghost", CHAIN)
+    await index.confirm("ghost", CHAIN)
+    assert await index.lookup(CHAIN) == {}
+    assert await index.entry_count("ghost") == 0
+
+
+# -- predicted vs confirmed, TTL -------------------------------------------------------------
+async def test_predictions_expire_only_on_replicas_with_events(backend):
+    index = await index_with(backend, spec("events", events=True), spec("silent"), spec("confirmed", events=True))
+    await index.record_prediction("events", CHAIN)
+    await index.record_prediction("silent", CHAIN)
+    await index.confirm("confirmed", CHAIN)
+    assert await index.lookup(CHAIN) == {"events": 12, "silent": 12, "confirmed": 12}
+    await backend.advance(TTL * 1.5)
+    assert await index.lookup(CHAIN) == {"silent": 12, "confirmed": 12}
+    assert await index.entry_count("events") == 0
+    assert await index.entry_count("silent") == 12
+
+
+async def test_confirm_upgrades_a_prediction_so_it_does_not_expire(backend):
+    index = await index_with(backend, spec("a", events=True))
+    await index.record_prediction("a", CHAIN[:8])
+    await index.confirm("a", CHAIN[:4])
+    await index.record_prediction("a", CHAIN[:8])  # re-predicting must not demote a confirmed block
+    await backend.advance(TTL * 1.5)
+    assert await index.lookup(CHAIN) == {"a": 4}
+    assert await index.entry_count("a") == 4
+
+
+async def test_re_predicting_renews_the_ttl(backend):
+    ttl = 0.5  # the "still live" check below needs a margin on a busy machine
+    index = await index_with(backend, spec("a", events=True), ttl=ttl)
+    await index.record_prediction("a", CHAIN)
+    await index.record_prediction("a", OTHER_CHAIN)
+    await backend.advance(ttl * 0.7)
+    await index.record_prediction("a", OTHER_CHAIN)
+    await backend.advance(ttl * 0.5)  # CHAIN is 1.2 TTL old, OTHER_CHAIN 0.5 TTL
+    assert await index.lookup(CHAIN) == {}
+    assert await index.lookup(OTHER_CHAIN) == {"a": 12}
+
+
+# -- capacity ------------------------------------------------------------------------------
+async def test_capacity_evicts_the_least_recently_touched(backend):
+    index = await index_with(backend, spec("a", capacity=4))
+    old, kept, new = [1, 2], [3, 4], [5, 6]
+    await index.record_prediction("a", old)
+    await index.confirm("a", kept)
+    await index.record_prediction("a", old)  # touched again: now more recent than `kept`
+    await index.record_prediction("a", new)
+    assert await index.lookup(old) == {"a": 2}
+    assert await index.lookup(kept) == {}
+    assert await index.lookup(new) == {"a": 2}
+    assert await index.entry_count("a") == 4
+
+
+async def test_expired_predictions_do_not_take_capacity(backend):
+    index = await index_with(backend, spec("a", capacity=3, events=True))
+    await index.confirm("a", [1])
+    await index.record_prediction("a", [2, 3])
+    await backend.advance(TTL * 1.5)
+    await index.confirm("a", [4, 5])  # fits once the two expired predictions are gone
+    assert await index.lookup([1]) == {"a": 1}
+    assert await index.entry_count("a") == 3
+
+
+async def test_shrinking_capacity_keeps_the_most_recent(backend):
+    index = await index_with(backend, spec("a", capacity=10))
+    for h in range(1, 9):
+        await index.record_prediction("a", [h])
+    await index.add_replica(spec("a", capacity=3))
+    assert await index.entry_count("a") == 3
+    assert [bool(await index.lookup([h])) for h in range(1, 9)] == [False] * 5 + [True] * 3
+
+
+async def test_a_chain_counts_its_head_as_most_recent(backend):
+    """Eviction takes a chain's tail first, as the engine does, not the head the run needs."""
+    index = await index_with(backend, spec("a", capacity=5))
+    await index.record_prediction("a", CHAIN)
+    assert await index.entry_count("a") == 5
+    assert await index.lookup(CHAIN) == {"a": 5}
+    await index.record_prediction("a", OTHER_CHAIN[:2])  # evicts CHAIN's blocks 3 and 4
+    assert await index.lookup(CHAIN) == {"a": 3}
+
+
+# -- removal -------------------------------------------------------------------------------
+async def test_remove_clear_and_remove_replica(backend):
+    index = await index_with(backend, spec("a", events=True), spec("b"))
+    await index.confirm("a", CHAIN)
+    await index.confirm("b", CHAIN)
+    await index.remove("a", CHAIN[6:])
+    assert await index.lookup(CHAIN) == {"a": 6, "b": 12}
+    assert await index.entry_count("a") == 6
+
+    await index.clear_replica("a")  # the replica stays registered
+    assert await index.lookup(CHAIN) == {"b": 12}
+    await index.confirm("a", CHAIN[:2])
+    assert await index.lookup(CHAIN) == {"a": 2, "b": 12}
+
+    await index.remove_replica("b")  # gone: entries dropped, later writes ignored
+    await index.confirm("b", CHAIN)
+    assert await index.lookup(CHAIN) == {"a": 2}
+    assert await index.entry_count("b") == 0
+    await index.add_replica(spec("b"))
+    assert await index.entry_count("b") == 0
+
+
+async def test_drop_confirmed_keeps_predictions(backend):
+    index = await index_with(backend, spec("events", events=True), spec("silent"))
+    await index.record_prediction("events", CHAIN[:4])
+    await index.confirm("events", CHAIN[4:])
+    await index.record_prediction("silent", CHAIN[:6])
+    await index.confirm("silent", CHAIN[6:])
+    assert await index.lookup(CHAIN) == {"events": 12, "silent": 12}  # runs across both states
+    await index.drop_confirmed("events")
+    await index.drop_confirmed("silent")
+    assert await index.lookup(CHAIN) == {"events": 4, "silent": 6}
+    assert await index.entry_count("events") == 4
+    assert await index.entry_count("silent") == 6
+
+
+async def test_entry_count_counts_each_replica_separately(backend):
+    index = await index_with(backend, spec("a"), spec("b", events=True))
+    await index.record_prediction("a", CHAIN)
+    await index.record_prediction("a", CHAIN[:5])  # the same blocks again: no new entries
+    await index.confirm("b", CHAIN[:7])
+    await index.record_prediction("b", CHAIN)
+    assert (await index.entry_count("a"), await index.entry_count("b")) == (12, 12)
+
+
+async def test_long_chains_and_many_replicas(backend):
+    """Scripts must cope with chains past their chunk size and with 64 replicas."""
+    chain = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, 3001)]
+    replicas = (spec(f"r{i}", capacity=5000, events=i % 2 == 0) for i in range(64))
+    index = await index_with(backend, *replicas, ttl=600)  # no expiry while 64 chains are written
+    depths = {f"r{i}": 1 + i * 46 for i in range(64)}  # 1 … 2899 blocks
+    for name, depth in depths.items():
+        await index.record_prediction(name, chain[:depth])
+    await index.confirm("r63", chain)
+    assert await index.lookup(chain) == depths | {"r63": 3000}
+    await index.remove("r62", chain[2000:2001])
+    assert (await index.lookup(chain))["r62"] == 2000
+
+
+# -- Redis only: sharing and key layout ------------------------------------------------------
+async def test_two_redis_indexes_on_one_prefix_share_everything(redis_url, redis_prefix):
+    first = RedisIndex(redis_url, key_prefix=redis_prefix, predicted_ttl_s=TTL)
+    second = RedisIndex.from_url(redis_url, key_prefix=redis_prefix, predicted_ttl_s=TTL)
+    other_shard = RedisIndex(redis_url, key_prefix=redis_prefix, shard="other-model")
+    try:
+        await first.add_replica(spec("a", capacity=50, events=True))
+        await first.record_prediction("a", CHAIN)
+        assert await second.lookup(CHAIN) == {"a": 12}
+        await second.confirm("a", CHAIN[:3])
+        await asyncio.sleep(TTL * 1.5)
+        assert await first.lookup(CHAIN) == {"a": 3}
+        assert await second.replicas() == {"a": ReplicaSpec("a", 50, True)}
+        assert await other_shard.lookup(CHAIN) == {}
+    finally:
+        for index in (first, second, other_shard):
+            await index.close()
+
+
+async def test_redis_keys_carry_prefix_and_scheme(redis_url, redis_prefix):
+    index = RedisIndex(redis_url, key_prefix=redis_prefix)
+    try:
+        for s in (spec("a", events=True), spec("b")):
+            await index.add_replica(s)
+            await index.record_prediction(s.name, CHAIN)
+        await index.confirm("a", CHAIN)
+        keys = [k.decode() async for k in index.client.scan_iter(match=f"{redis_prefix}*")]
+        base = f"{redis_prefix}:{{{HASH_SCHEME}}}:"
+        assert all(k.startswith(base) for k in keys)
+        # no x: a's TTL predictions were all confirmed, b's never expire
+        assert sorted(k.removeprefix(base) for k in keys) == ["c:a", "cap", "ev", "l:a", "l:b", "p:b", "seq"]
+        with pytest.raises(ValueError):
+            RedisIndex(index.client, key_prefix="bad{tag}")
+    finally:
+        await index.close()
+
+
+# -- property: random operation sequences against a reference model -----------------------------
+class ReferenceIndex:
+    """The contract, written as plainly as possible: per replica, an ordered map hash -> state."""
+
+    CONFIRMED = None
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl, self.now = ttl, 0.0
+        self.specs: dict[str, ReplicaSpec] = {}
+        self.entries: dict[str, OrderedDict[int, float | None]] = {}
+
+    def _live(self, expiry: float | None) -> bool:
+        return expiry is self.CONFIRMED or expiry > self.now
+
+    def _purge_and_fit(self, name: str) -> None:
+        entries = self.entries[name]
+        for h in [h for h, e in entries.items() if not self._live(e)]:
+            del entries[h]
+        while len(entries) > max(self.specs[name].capacity_blocks, 0):
+            entries.popitem(last=False)
+
+    def add_replica(self, s: ReplicaSpec) -> None:
+        self.specs[s.name] = s
+        self.entries.setdefault(s.name, OrderedDict())
+        self._purge_and_fit(s.name)
+
+    def remove_replica(self, name: str) -> None:
+        self.specs.pop(name, None)
+        self.entries.pop(name, None)
+
+    def write(self, name: str, hashes: list[int], confirmed: bool) -> None:
+        if name not in self.specs:
+            return
+        self._purge_and_fit(name)  # expired entries go before anything is evicted
+        entries = self.entries[name]
+        for h in reversed(hashes):  # the head ends up most recent
+            if confirmed:
+                entries[h] = self.CONFIRMED
+            elif h not in entries or entries[h] is not self.CONFIRMED:
+                entries[h] = self.now + self.ttl if self.specs[name].publishes_events else float("inf")
+            entries.move_to_end(h)
+        self._purge_and_fit(name)
+
+    def remove(self, name: str, hashes: list[int]) -> None:
+        for h in hashes:
+            self.entries.get(name, {}).pop(h, None)
+
+    def clear_replica(self, name: str) -> None:
+        self.entries.get(name, OrderedDict()).clear()
+
+    def drop_confirmed(self, name: str) -> None:
+        entries = self.entries.get(name, {})
+        for h in [h for h, e in entries.items() if e is self.CONFIRMED]:
+            del entries[h]
+
+    def entry_count(self, name: str) -> int:
+        return sum(self._live(e) for e in self.entries.get(name, {}).values())
+
+    def lookup(self, chain: list[int]) -> dict[str, int]:
+        out = {}
+        for name, entries in self.entries.items():
+            depth = 0
+            while depth < len(chain) and chain[depth] in entries and self._live(entries[chain[depth]]):
+                depth += 1
+            if depth:
+                out[name] = depth
+        return out
+
+
+NAMES = ["r0", "r1"]
+BASE_CHAINS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 10, 11], [2**64 - 1, 2**63, 12]]
+chains = st.one_of(
+    st.builds(lambda base, n: base[:n], st.sampled_from(BASE_CHAINS), st.integers(0, 8)),
+    st.lists(st.sampled_from(sorted({h for c in BASE_CHAINS for h in c})), max_size=6),
+)
+names = st.sampled_from(NAMES)
+replica_specs = st.builds(ReplicaSpec, names, st.integers(0, 8), st.booleans())
+common_ops = [
+    st.tuples(st.just("add_replica"), replica_specs),
+    st.tuples(st.just("remove_replica"), names),
+    st.tuples(st.just("record_prediction"), names, chains),
+    st.tuples(st.just("confirm"), names, chains),
+    st.tuples(st.just("remove"), names, chains),
+    st.tuples(st.just("clear_replica"), names),
+    st.tuples(st.just("drop_confirmed"), names),
+    st.tuples(st.just("entry_count"), names),
+]
+# Time moves in whole units around a TTL of 10, so expiry boundaries are hit exactly.
+advance = st.tuples(st.just("advance"), st.sampled_from([3, 10]))
+memory_ops = st.lists(st.one_of(*common_ops, advance), min_size=10, max_size=40)
+redis_ops = st.lists(st.one_of(*common_ops), max_size=20)
+
+
+async def check_against_reference(index: PrefixIndex, ops: list[tuple], ttl: float, clock: FakeClock | None) -> None:
+    ref = ReferenceIndex(ttl)
+    for name in NAMES:
+        s = ReplicaSpec(name, 4, name != "r0")  # small capacities: eviction meets expiry often
+        ref.add_replica(s)
+        await index.add_replica(s)
+    for op, *args in ops:
+        if op == "advance":
+            ref.now += args[0]
+            clock.now += args[0]
+        elif op in ("record_prediction", "confirm"):
+            ref.write(args[0], args[1], confirmed=op == "confirm")
+            await getattr(index, op)(*args)
+        elif op == "entry_count":  # an op of its own: the memory index purges when counting
+            assert await index.entry_count(args[0]) == ref.entry_count(args[0]), args
+        else:
+            getattr(ref, op)(*args)
+            await getattr(index, op)(*args)
+        for chain in BASE_CHAINS:
+            assert await index.lookup(chain) == ref.lookup(chain), (op, args)
+    for name in NAMES:
+        assert await index.entry_count(name) == ref.entry_count(name), name
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=memory_ops)
+async def test_memory_index_matches_the_reference(ops):
+    clock = FakeClock()
+    clock.now = 0.0
+    await check_against_reference(MemoryIndex(predicted_ttl_s=10, clock=clock), ops, 10, clock)
+
+
+_example_ids = itertools.count()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=redis_ops)
+async def test_redis_index_matches_the_reference(ops, redis_url, redis_prefix):
+    # One sub-prefix per example (still under redis_prefix, so the fixture cleans it up).
+    # The TTL is long: nothing expires here; expiry on Redis is covered by the tests above.
+    index = RedisIndex(redis_url, key_prefix=f"{redis_prefix}-{next(_example_ids)}", predicted_ttl_s=600)
+    try:
+        await check_against_reference(index, ops, 600, None)
+    finally:
+        await index.close()
