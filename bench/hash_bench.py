@@ -7,24 +7,10 @@ p99 per call, for a numpy uint32 array (the tokenizer path can hand one over) an
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import numpy as np
 
+from bench.timing import per_call_us
 from router.blocks import block_hashes, namespace_seed
-
-
-def measure(fn, repeat: int) -> tuple[float, float]:
-    for _ in range(min(200, repeat)):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - t0) / 1e3)
-    samples.sort()
-    return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     seed = namespace_seed("bench-model")
     print(f"{args.tokens} tokens, block size {args.block_size} ({args.tokens // args.block_size} blocks)")
     for name, data in (("numpy uint32", arr), ("python list", ids)):
-        p50, p99 = measure(lambda d=data: block_hashes(d, args.block_size, seed), args.repeat)
+        p50, p99 = per_call_us(lambda d=data: block_hashes(d, args.block_size, seed), args.repeat)
         print(f"  {name:<13} p50 {p50:7.1f} us   p99 {p99:7.1f} us")
 
 

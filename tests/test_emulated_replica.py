@@ -596,11 +596,6 @@ async def test_replay_over_a_dealer(replica, client):
 # Command line
 
 
-def test_vllm_engine_is_not_implemented_yet(capsys):
-    assert replica_main(["--engine", "vllm", "--model", "m"]) == 2
-    assert "not implemented" in capsys.readouterr().err
-
-
 def test_cli_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         replica_main(["--model", "m", "--time-scale", "-1"])

@@ -1,0 +1,101 @@
+"""Presenting simulator results: a rich table, one JSON object, or a PNG of TTFT CDFs and reuse."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from collections.abc import Mapping
+from typing import IO, Any
+
+import numpy as np
+
+REUSE_KEYS = ("reuse_available", "reuse_predicted", "reuse_delivered")
+
+
+def to_json(policies: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any] | None = None) -> str:
+    """`{"policies": {NAME: {...}}, ...extra}` on one line (NaN becomes null: JSON has no NaN)."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        return v
+
+    doc: dict[str, Any] = {"policies": {name: clean(dict(m)) for name, m in policies.items()}}
+    for k, v in (extra or {}).items():
+        doc.setdefault(k, clean(v))
+    return json.dumps(doc)
+
+
+def _pct(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.1%}"
+
+
+def _secs(x: float) -> str:
+    if not math.isfinite(x):
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def print_table(policies: Mapping[str, Mapping[str, Any]], title: str, file: IO[str] | None = None, footer: str = "") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=footer or None, caption_justify="left")
+    for col in ("policy", "requests", "available", "predicted", "delivered", "deliv/avail", "TTFT p50", "TTFT p99", "imbalance", "req/s"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for name, m in policies.items():
+        avail = m["reuse_available"]
+        ratio = m["reuse_delivered"] / avail if avail else math.nan
+        table.add_row(
+            name,
+            str(m["requests"]),
+            _pct(avail),
+            _pct(m["reuse_predicted"]),
+            _pct(m["reuse_delivered"]),
+            _pct(ratio),
+            _secs(m["ttft_p50_s"]),
+            _secs(m["ttft_p99_s"]),
+            f"{m['imbalance']:.2f}",
+            f"{m['throughput_rps']:.2f}",
+        )
+    Console(file=file, width=140).print(table)
+
+
+def plot(ttfts: Mapping[str, np.ndarray], policies: Mapping[str, Mapping[str, Any]], path: str, title: str = "") -> None:
+    """TTFT CDF per policy (log time axis) and the three reuse figures per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_cdf, ax_reuse) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for name, ttft in ttfts.items():
+        if ttft.size == 0:
+            continue
+        xs = np.sort(ttft)
+        ax_cdf.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=name)
+    ax_cdf.set_xscale("log")
+    ax_cdf.set_xlabel("time to first token (s)")
+    ax_cdf.set_ylabel("fraction of requests")
+    ax_cdf.set_title("TTFT CDF")
+    ax_cdf.grid(True, which="both", alpha=0.3)
+    ax_cdf.legend(fontsize=8)
+
+    names = list(policies)
+    x = np.arange(len(names))
+    width = 0.27
+    for k, key in enumerate(REUSE_KEYS):
+        ax_reuse.bar(x + (k - 1) * width, [policies[n][key] for n in names], width, label=key.removeprefix("reuse_"))
+    ax_reuse.set_xticks(x, names, rotation=25, ha="right", fontsize=8)
+    ax_reuse.set_ylim(0, 1.15)  # room for the legend above full bars
+    ax_reuse.set_ylabel("fraction of prompt tokens (full blocks)")
+    ax_reuse.set_title("prefix reuse: available / predicted / delivered")
+    ax_reuse.legend(fontsize=8, ncol=3, loc="upper center")
+    if title:
+        fig.suptitle("\n".join(textwrap.fill(line, 130) for line in title.splitlines()), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

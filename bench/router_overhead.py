@@ -1,0 +1,335 @@
+"""What the router adds in front of replicas that answer at once: ``python -m bench.router_overhead``.
+
+Emulated replicas with ``time_scale`` 0 (no modelled GPU time) run in one child process, the router
+(``kvroute router``, cost_model, the tiny tokenizer, in-memory index) in another, so its CPU time
+is its own; this process is the client.  Each figure is measured side by side in one run, the
+direct request (to a replica) and the routed one (through the router) interleaved:
+
+* added p50 latency, unloaded: one request at a time, non-streamed, ``max_tokens`` 1;
+* added time to first streamed chunk, unloaded, p50;
+* router CPU per request at concurrency 64: the router process's user+system CPU time
+  (``/proc/PID/stat``, every thread) over the requests it proxied.
+
+Two prompts: (a) a multi-turn chat of ~16 KB whose earlier turns the router has seen, each
+request adding a short new user turn; (b) a ~16 KB chat the router has never seen (each request
+new); and, for scale, (c) a one-line chat: the cost of proxying itself.  Last, the routing
+pipeline's stages are timed in this process (no HTTP) for (a) and (b).  Reference: SGLang's router (Rust, no tokenizer) spends ~230 µs of CPU per 16 KB request
+with its cache-aware policy and adds 0.25-0.45 ms at p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "tests" / "assets" / "tiny-tokenizer"
+MODEL = "bench"
+PROMPT_BYTES = 16 * 1024
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+_REPLICAS_CHILD = """
+import asyncio, sys
+import uvloop
+from replica.emulated.server import EmulatedReplica, ReplicaConfig
+
+async def main(n):
+    reps = [EmulatedReplica(ReplicaConfig(model=sys.argv[2], time_scale=0.0)) for _ in range(n)]
+    for r in reps:
+        await r.start()
+    print(" ".join(r.url for r in reps), flush=True)
+    await asyncio.Event().wait()
+
+uvloop.run(main(int(sys.argv[1])))
+"""
+
+_WORDS = np.array(
+    "the router keeps every prefix warm while replicas answer questions about caches blocks tokens "
+    "latency throughput sessions tenants policies metrics streams budgets engines kernels queues "
+    "prefill decode schedule memory layout attention request response client server shard index".split()
+)
+
+
+def text_of(rng: np.random.Generator, n_bytes: int) -> str:
+    words = rng.choice(_WORDS, size=n_bytes // 6 + 8)
+    return " ".join(words)[:n_bytes]
+
+
+def conversation(rng: np.random.Generator, n_bytes: int) -> list[dict[str, str]]:
+    """A chat of about ``n_bytes``: a system prompt and alternating turns of ~1 KB."""
+    msgs = [{"role": "system", "content": text_of(rng, 2048)}]
+    size = 2048
+    while size < n_bytes - 1024:
+        role = "user" if msgs[-1]["role"] != "user" else "assistant"
+        msgs.append({"role": role, "content": text_of(rng, 1024)})
+        size += 1024
+    if msgs[-1]["role"] == "user":
+        msgs.append({"role": "assistant", "content": text_of(rng, 512)})
+    return msgs
+
+
+def process_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: every thread of the process
+
+
+async def spawn(args: list[str]) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, cwd=str(REPO))
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
+    if not line:
+        raise RuntimeError(f"{args[:4]} did not start")
+    return proc, line
+
+
+@dataclass
+class Case:
+    name: str
+    body: Callable[[int], dict]  # request i -> chat body
+
+
+class Client:
+    def __init__(self, session: aiohttp.ClientSession):
+        self.session = session
+
+    async def latency(self, url: str, body: dict) -> float:
+        t0 = time.perf_counter()
+        async with self.session.post(url + "/v1/chat/completions", json=body) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{url}: {r.status} {await r.text()}")
+        return time.perf_counter() - t0
+
+    async def first_chunk(self, url: str, body: dict) -> float:
+        t0 = time.perf_counter()
+        async with self.session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{url}: {r.status} {await r.text()}")
+            await r.content.readline()
+            ttfc = time.perf_counter() - t0
+            await r.read()
+        return ttfc
+
+
+async def side_by_side(
+    n: int, case: Case, direct: str, routed: str, measure: Callable[[str, dict], Awaitable[float]]
+) -> tuple[list[float], list[float]]:
+    d, r = [], []
+    for i in range(n):
+        body = case.body(i)
+        d.append(await measure(direct, body))
+        r.append(await measure(routed, body))
+    return d, r
+
+
+async def under_load(client: Client, url: str, case: Case, n: int, concurrency: int, offset: int) -> float:
+    """Requests/s of ``n`` requests, ``concurrency`` at a time."""
+    next_i = iter(range(offset, offset + n))
+
+    async def worker() -> None:
+        for i in next_i:
+            await client.latency(url, case.body(i))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return n / (time.perf_counter() - t0)
+
+
+def p50_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+async def run(args: argparse.Namespace) -> dict:
+    py = sys.executable
+    rep_proc, urls_line = await spawn([py, "-c", _REPLICAS_CHILD, str(args.replicas), MODEL])
+    urls = urls_line.split()
+    router_proc, line = await spawn(
+        [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0", "--replicas", ",".join(urls),
+         "--tokenizer", str(TOKENIZER), "--policy", "cost_model", "--log-level", "warning",
+         "--max-in-flight", "4096"]
+    )
+    router_url = line.rsplit(" ", 1)[-1]
+    results: dict = {"replicas": len(urls), "prompt_bytes": PROMPT_BYTES, "cases": {}}
+    rng = np.random.default_rng(args.seed)
+    history = conversation(rng, PROMPT_BYTES)
+    fresh_rng = np.random.default_rng(args.seed + 1)
+    fresh_texts: dict[int, str] = {}
+
+    def multi_turn(i: int) -> dict:
+        return {"model": MODEL, "max_tokens": 1,
+                "messages": [*history, {"role": "user", "content": f"And question number {i}, briefly?"}]}
+
+    def never_seen(i: int) -> dict:
+        text = fresh_texts.pop(i, None) or text_of(fresh_rng, PROMPT_BYTES)
+        return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
+
+    def short(i: int) -> dict:
+        return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": f"Hello number {i}."}]}
+
+    # the short chat is the floor: what proxying costs with (almost) no prompt to tokenize and hash
+    cases = [Case("multi_turn_16k_seen", multi_turn), Case("new_16k_unseen", never_seen), Case("short_chat_floor", short)]
+    try:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            client = Client(session)
+            # warm: the router and the direct replica see the conversation's earlier turns
+            for i in range(5):
+                await client.latency(router_url, multi_turn(-1 - i))
+                await client.latency(urls[0], multi_turn(-1 - i))
+                await client.latency(router_url, never_seen(-1 - i))
+                await client.latency(urls[0], never_seen(-1 - i))
+            offset = 0
+            for case in cases:
+                out: dict = {}
+                d, r = await side_by_side(args.requests, case, urls[0], router_url, client.latency)
+                out["direct_p50_ms"], out["routed_p50_ms"] = p50_ms(d), p50_ms(r)
+                out["added_p50_ms"] = p50_ms(r) - p50_ms(d)
+                offset += args.requests
+                d, r = await side_by_side(args.requests, case, urls[0], router_url, client.first_chunk)
+                out["direct_first_chunk_p50_ms"], out["routed_first_chunk_p50_ms"] = p50_ms(d), p50_ms(r)
+                out["added_first_chunk_p50_ms"] = p50_ms(r) - p50_ms(d)
+                # CPU at concurrency: requests built beforehand so the client keeps up
+                n = args.load_requests
+                base = 1_000_000 * (cases.index(case) + 1)
+                if case.body is never_seen:
+                    for i in range(base, base + n):
+                        fresh_texts[i] = text_of(fresh_rng, PROMPT_BYTES)
+                cpu0 = process_cpu_s(router_proc.pid)
+                rps = await under_load(client, router_url, case, n, args.concurrency, base)
+                cpu = process_cpu_s(router_proc.pid) - cpu0
+                out["concurrency"] = args.concurrency
+                out["load_requests"] = n
+                out["routed_rps"] = rps
+                out["router_cpu_us_per_request"] = cpu / n * 1e6
+                results["cases"][case.name] = out
+    finally:
+        for proc in (router_proc, rep_proc):
+            proc.terminate()
+        for proc in (router_proc, rep_proc):
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+    return results
+
+
+async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: int) -> dict[str, dict[str, float]]:
+    """Microseconds per stage of the routing pipeline, in this process, for both prompts."""
+    from router.blocks import namespace_seed, token_bytes
+    from router.chain_memo import ChainMemo
+    from router.index.base import ReplicaSpec
+    from router.index.memory import MemoryIndex
+    from router.load import LoadTracker
+    from router.policy import RouteRequest, make_policy
+    from router.requests import parse_request
+    from router.reuse import ReuseTracker
+    from router.tokens import Tokenizer
+
+    tok = Tokenizer.from_dir(TOKENIZER)
+    seed = namespace_seed(MODEL)
+    out: dict[str, dict[str, float]] = {}
+    for case in ("multi_turn_16k_seen", "new_16k_unseen"):
+        index, memo, reuse, load = MemoryIndex(), ChainMemo(), ReuseTracker(), LoadTracker()
+        policy = make_policy("cost_model")
+        names = [f"r{i}" for i in range(4)]
+        for name in names:
+            await index.add_replica(ReplicaSpec(name, 200_000))
+        times = dict.fromkeys(("parse", "render", "tokenize", "hash", "index_lookup", "policy", "index_record", "reuse"), 0.0)
+        for i in range(-3, n):  # three warm-up rounds, as the live router has seen earlier turns
+            msgs = ([*history, {"role": "user", "content": f"And question number {i}, briefly?"}]
+                    if case.startswith("multi") else [{"role": "user", "content": fresh()}])
+            raw = json.dumps({"model": MODEL, "max_tokens": 1, "messages": msgs}).encode()
+            t0 = time.perf_counter()
+            parse_request("chat", raw)
+            t1 = time.perf_counter()
+            text = tok.render_chat(msgs)
+            t2 = time.perf_counter()
+            ids = await tok.aencode(text)
+            t3 = time.perf_counter()
+            data = token_bytes(ids)
+            chain = memo.chain(data, 16, seed)
+            t4 = time.perf_counter()
+            matches = await index.lookup(chain)
+            t5 = time.perf_counter()
+            req = RouteRequest(chain=chain, prompt_tokens=len(ids), block_size=16, matches=matches)
+            decision = policy.choose(req, [load.state(name) for name in names])
+            t6 = time.perf_counter()
+            await index.record_prediction(decision.replica, chain)
+            t7 = time.perf_counter()
+            reuse.observe(MODEL, chain, np.frombuffer(data, dtype="<u4"), 16, seed)
+            t8 = time.perf_counter()
+            # spread the conversation over the replicas, as concurrency 64 does
+            await index.record_prediction(names[i % 4], chain)
+            if i >= 0:
+                for key, a, b in (("parse", t0, t1), ("render", t1, t2), ("tokenize", t2, t3), ("hash", t3, t4),
+                                  ("index_lookup", t4, t5), ("policy", t5, t6), ("index_record", t6, t7),
+                                  ("reuse", t7, t8)):
+                    times[key] += b - a
+        out[case] = {k: v / n * 1e6 for k, v in times.items()}
+        out[case]["total"] = sum(out[case].values())
+        out[case]["tokens"] = float(len(ids))
+    return out
+
+
+def print_table(results: dict) -> None:
+    rows = [
+        ("added p50 latency, unloaded (ms)", "added_p50_ms"),
+        ("  direct / routed p50 (ms)", ("direct_p50_ms", "routed_p50_ms")),
+        ("added time to first chunk, p50 (ms)", "added_first_chunk_p50_ms"),
+        ("  direct / routed first chunk p50 (ms)", ("direct_first_chunk_p50_ms", "routed_first_chunk_p50_ms")),
+        ("router CPU per request at c=64 (µs)", "router_cpu_us_per_request"),
+        ("routed throughput at c=64 (req/s)", "routed_rps"),
+    ]
+    names = list(results["cases"])
+    print(f"router overhead, {results['replicas']} emulated replicas answering at once, "
+          f"{results['prompt_bytes'] // 1024} KB prompts", file=sys.stderr)
+    print(f"{'':40}" + "".join(f"{n:>24}" for n in names))
+    for label, key in rows:
+        cells = []
+        for n in names:
+            c = results["cases"][n]
+            cells.append(f"{c[key[0]]:.2f} / {c[key[1]]:.2f}" if isinstance(key, tuple) else f"{c[key]:.2f}")
+        print(f"{label:40}" + "".join(f"{x:>24}" for x in cells))
+    breakdown = results.get("pipeline_us")
+    if breakdown:
+        print("\nrouting pipeline in-process, µs per request (no HTTP)")
+        for stage in next(iter(breakdown.values())):
+            cells = (f"{breakdown[n][stage]:>24.1f}" if n in breakdown else f"{'':>24}" for n in names)
+            print(f"  {stage:38}" + "".join(cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.router_overhead", description=__doc__.split("\n")[0])
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--requests", type=int, default=200, help="sequential requests per unloaded measure")
+    p.add_argument("--load-requests", type=int, default=1500, help="requests of the concurrency-64 CPU measure")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+    results = asyncio.run(run(args))
+    rng = np.random.default_rng(args.seed)
+    history = conversation(rng, PROMPT_BYTES)
+    results["pipeline_us"] = asyncio.run(pipeline_breakdown(history, lambda: text_of(rng, PROMPT_BYTES), args.requests))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

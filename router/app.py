@@ -1,0 +1,518 @@
+"""The router service: aiohttp on uvloop, wiring settings, fleet, index, policy, proxy and metrics.
+
+Endpoints
+    POST /v1/completions, /v1/chat/completions   routed (cache-aware), streamed or not
+    POST /v1/embeddings, /tokenize, /detokenize  passed to a replica serving the body's model
+    GET  /v1/models, /v1/models/{id}             the union of the fleet's models
+    GET  /health                                 the process is alive (200)
+    GET  /ready                                  200 once a replica is healthy and not draining, else 503
+    GET  /metrics                                Prometheus (kvroute_*)
+    GET  /admin/replicas                         replicas and their state      (admin token)
+    POST /admin/replicas/drain | /undrain        {"replica": NAME}            (admin token)
+
+``RouterApp(settings)`` embeds the router in tests and the demo (``await start()``, ``.url``,
+``await stop()``); ``main(argv)`` is ``kvroute router``.  SIGTERM drains: /ready turns 503 while
+requests in flight finish (up to ``drain_timeout_s``), then the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hmac
+import logging
+import re
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from .config import RouterSettings, load_settings
+from .errors import ApiError, error_middleware, error_response
+from .fleet import Fleet, Replica
+from .index.base import PrefixIndex
+from .index.memory import MemoryIndex
+from .kvevents import KVEventSubscriber
+from .load import LoadTracker
+from .metrics import CONTENT_TYPE, RouterMetrics
+from .policy import make_policy
+from .proxy import Outcome, Proxy, Timeouts, make_upstream_session
+from .requests import Kind, decode_json_object, parse_request
+from .reuse import ReuseTracker
+from .routing import Router
+from .tokens import TokenizerRegistry
+
+log = logging.getLogger("kvroute.router")
+
+# Reasons each policy gives (router/policy/*), so their series exist before the first decision.
+POLICY_REASONS = {
+    "cost_model": ("cache", "load", "balance", "session"),
+    "round_robin": ("round_robin",),
+    "least_loaded": ("load",),
+    "power_of_two": ("load",),
+    "chwbl": ("hash", "balance", "round_robin"),
+    "sglang_cache_aware": ("cache", "load", "balance", "fallback"),
+}
+REQUEST_ID = web.RequestKey("request_id", str)
+_REQUEST_ID_OK = re.compile(r"^[\w.:@/+=-]{1,128}$")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """X-Request-Id: the client's (if sane), else a new one; passed upstream and returned."""
+    rid = request.headers.get("X-Request-Id", "")
+    if not _REQUEST_ID_OK.match(rid):
+        rid = uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    resp = await handler(request)
+    if not resp.prepared:
+        resp.headers["X-Request-Id"] = rid
+    return resp
+
+
+def _bearer(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _matches_any(token: str | None, secrets: Iterable[str]) -> bool:
+    if token is None:
+        return False
+    found = False
+    for secret in secrets:  # compare with every key, in constant time each: no early exit to time
+        found |= hmac.compare_digest(token.encode(), secret.encode())
+    return found
+
+
+class RouterApp:
+    def __init__(self, settings: RouterSettings, *, index: PrefixIndex | None = None):
+        self.settings = settings
+        self._given_index = index
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+        self._started = False
+        self._client_keys = settings.client_keys()
+        self._admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.settings
+        self.timeouts = Timeouts(s.connect_timeout_s, s.first_byte_timeout_s, s.idle_timeout_s)
+        self.tokenizers = TokenizerRegistry.from_config(s.tokenizers, s.tokenizer)  # bad paths fail now
+        self.policy = make_policy(s.policy, **s.policy_options)
+        self.session = make_upstream_session(self.timeouts)
+        self.index = self._given_index or self._make_index()
+        self.load = LoadTracker()
+        self.metrics = RouterMetrics(self.policy.name, POLICY_REASONS.get(self.policy.name, ()), s.max_client_labels)
+        self.fleet = Fleet(s.fleet, self.session, load=self.load, index=self.index)
+        self.fleet.subscribe(self._on_fleet_event)
+        self.metrics.bind_replicas(self._replica_gauges)
+        self.reuse = ReuseTracker(window_blocks=s.reuse_window_blocks)
+        self.router = Router(
+            s,
+            fleet=self.fleet,
+            index=self.index,
+            load=self.load,
+            policy=self.policy,
+            tokenizers=self.tokenizers,
+            reuse=self.reuse,
+            metrics=self.metrics,
+        )
+        self.proxy = Proxy(
+            self.session,
+            self.timeouts,
+            replica_url=self._replica_url,
+            upstream_headers=self.fleet.upstream_headers,
+            on_failure=self._on_upstream_failure,
+            on_success=self.fleet.report_success,
+        )
+        if not s.fleet.replicas and not s.fleet.discovery_redis and not s.fleet.dns_name:
+            log.warning("no replicas configured (--replicas, fleet.discovery_redis or fleet.dns_name)")
+        self._started = True
+        self.kv_events: KVEventSubscriber | None = None
+        if s.kv_events:
+            # Replicas that registered an events endpoint are followed once up: their BlockStored /
+            # BlockRemoved confirm and remove index entries (started first: the fleet's first round
+            # already announces replicas as up).
+            self.kv_events = KVEventSubscriber(
+                self.index, block_size_for=self.fleet.block_size, registry=self.metrics.registry
+            )
+            self.fleet.subscribe(self.kv_events.on_fleet_event)
+        try:
+            if self.kv_events is not None:
+                await self.kv_events.start()
+            await self.fleet.start()
+            self._refresh_series()
+            app = web.Application(
+                middlewares=[request_id_middleware, error_middleware], client_max_size=s.max_body_bytes
+            )
+            self._add_routes(app)
+            # handler_cancellation: a client that disconnects cancels its handler, which closes the
+            # upstream connection, so the engine stops generating for nobody
+            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, s.host, s.port, backlog=1024)
+            await site.start()
+        except BaseException:
+            await self.stop()  # a port in use, a fleet that cannot start: leave nothing open
+            raise
+        self._port = self._runner.addresses[0][1]
+        log.info("router listening on %s (policy %s, index %s)", self.url, self.policy.name, type(self.index).__name__)
+
+    def _make_index(self) -> PrefixIndex:
+        s = self.settings
+        if s.redis_url:
+            from .index.redis_index import RedisIndex
+
+            return RedisIndex(s.redis_url, key_prefix=s.redis_key_prefix, predicted_ttl_s=s.predicted_ttl_s)
+        return MemoryIndex(predicted_ttl_s=s.predicted_ttl_s)
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("router not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = self.settings.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """/ready turns 503; wait for requests in flight to finish.  True if they all did."""
+        self.draining = True
+        timeout_s = self.settings.drain_timeout_s if timeout_s is None else timeout_s
+        if self.in_flight == 0:
+            return True
+        self._idle.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.in_flight:
+                    await self._idle.wait()
+                    self._idle.clear()
+            return True
+        except TimeoutError:
+            log.warning("drain timed out with %d requests in flight", self.in_flight)
+            return False
+
+    async def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.kv_events is not None:
+            await self.kv_events.stop()
+        await self.fleet.stop()
+        await self.session.close()
+        if self._given_index is None:
+            await self.index.close()
+
+    async def __aenter__(self) -> RouterApp:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- wiring helpers -----------------------------------------------------------------------
+    def _replica_url(self, name: str) -> str | None:
+        r = self.fleet.get(name)
+        return r.url if r is not None else None
+
+    def _on_upstream_failure(self, replica: str, stage: str) -> None:
+        self.metrics.upstream_failures.labels(replica, stage).inc()
+        self.fleet.report_failure(replica)
+
+    def _on_fleet_event(self, event: str, replica: Replica) -> None:
+        if event in ("left", "down"):
+            self.policy.forget_replica(replica.name)
+        if event == "left":
+            self.metrics.forget_replica(replica.name)
+
+    def _replica_gauges(self) -> Iterable[tuple[str, bool, str, int, int, float]]:
+        for st in self.fleet.status():
+            load = self.load.states.get(st.name)
+            rate = load.prefill_rate if load is not None else 0.0
+            yield st.name, st.healthy, st.breaker_state, st.in_flight, st.queued_prefill_tokens, rate
+
+    def _refresh_series(self) -> None:
+        for model, replicas in self.fleet.models().items():
+            self.metrics.know_model(model, [r.name for r in replicas])
+
+    def _add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        for path in ("/v1/embeddings", "/tokenize", "/detokenize"):
+            app.router.add_post(path, self._passthrough)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/admin/replicas", self._admin_replicas)
+        app.router.add_post("/admin/replicas/drain", self._admin_drain)
+        app.router.add_post("/admin/replicas/undrain", self._admin_undrain)
+
+    # -- guards -------------------------------------------------------------------------------
+    def _check_client(self, request: web.Request) -> str | None:
+        """The client's bearer token; 401 when keys are configured and it is not one of them."""
+        token = _bearer(request)
+        if self._client_keys and not _matches_any(token, self._client_keys):
+            raise ApiError(
+                401,
+                "missing or invalid API key (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return token
+
+    def _check_admin(self, request: web.Request) -> None:
+        if self._admin_token is None:
+            raise ApiError(403, "the admin API is disabled: set admin_token to enable it", code="admin_disabled")
+        if not _matches_any(_bearer(request), [self._admin_token]):
+            raise ApiError(
+                401, "missing or invalid admin token", code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    def _admit(self) -> None:
+        if self.in_flight >= self.settings.max_in_flight:
+            raise ApiError(
+                429,
+                f"the router has {self.in_flight} requests in flight, its limit; retry shortly",
+                code="too_many_requests",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            )
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.dec()
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def _model_label(self, model: Any) -> str:
+        """A model name fit for a metric label: only models the fleet serves (no client-made series)."""
+        if isinstance(model, str) and any(model in r.models for r in self.fleet.replicas()):
+            return model
+        return "unknown"
+
+    # -- generation ---------------------------------------------------------------------------
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            api_key = self._check_client(request)
+            self._admit()
+        except ApiError as exc:  # 401, 429: counted, nothing else to undo
+            self.metrics.requests.labels("unknown", "none", str(exc.status)).inc()
+            raise
+        model_label = "unknown"
+        try:
+            rid = request[REQUEST_ID]
+            try:
+                raw = await request.read()
+                parsed = parse_request(kind, raw)
+                model_label = self._model_label(parsed.request.model)
+                plan = await self.router.plan(
+                    parsed, request_id=rid, session_header=request.headers.get("X-Session-ID"), api_key=api_key
+                )
+            except (ApiError, web.HTTPException) as exc:
+                self.metrics.requests.labels(model_label, "none", str(exc.status)).inc()
+                raise
+            outcome = Outcome()
+            try:
+                return await self.proxy.forward(
+                    request,
+                    plan,
+                    request.path,
+                    parsed.forward_body(plan.additions),
+                    request_id=rid,
+                    stream=parsed.stream,
+                    strip_usage=not parsed.client_wants_usage,
+                    outcome=outcome,
+                )
+            except ApiError as exc:
+                outcome.status = exc.status
+                raise
+            except (asyncio.CancelledError, ConnectionResetError):
+                outcome.status = 499  # the client closed the request (nginx's code)
+                raise
+            except Exception:
+                outcome.status = 500
+                raise
+            finally:
+                if outcome.sent_at is not None:
+                    self.metrics.added_latency.observe(outcome.sent_at - started)
+                await plan.finish(outcome)
+        finally:
+            self._release()
+
+    # -- pass-through -------------------------------------------------------------------------
+    async def _passthrough(self, request: web.Request) -> web.StreamResponse:
+        self._check_client(request)
+        self._admit()
+        model_label = "unknown"
+        outcome = Outcome()
+        try:
+            raw = await request.read()
+            body = decode_json_object(raw)
+            model, replicas = self._passthrough_replicas(body.get("model"))
+            model_label = model
+            order = [r.name for r in replicas][: 1 + self.settings.retry_attempts]
+            return await self.proxy.forward_plain(
+                request, order, request.path, raw, request_id=request[REQUEST_ID], outcome=outcome
+            )
+        except (ApiError, web.HTTPException) as exc:
+            outcome.status = exc.status
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            outcome.status = 499
+            raise
+        finally:
+            self.metrics.requests.labels(model_label, outcome.replica or "none", str(outcome.status)).inc()
+            self._release()
+
+    def _passthrough_replicas(self, model: Any) -> tuple[str, list[Replica]]:
+        """The model (the only one served, when the body names none) and its replicas, least loaded first."""
+        if model is None:
+            served = set(self.fleet.models())
+            if len(served) != 1:
+                raise ApiError(400, "missing required parameter: 'model'", param="model", code="missing_required_parameter")
+            model = served.pop()
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "invalid value for 'model': expected a string", param="model", code="invalid_type")
+        replicas = self.router.eligible(model)
+        replicas.sort(key=lambda r: self.load.state(r.name).in_flight)
+        return model, replicas
+
+    # -- informational ------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        self._check_client(request)
+        return web.json_response({"object": "list", "data": self.fleet.model_cards()})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        self._check_client(request)
+        model = request.match_info["model"]
+        for card in self.fleet.model_cards():
+            if card.get("id") == model:
+                return web.json_response(card)
+        raise ApiError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return error_response(503, "draining: not taking new work", code="draining")
+        if not self.fleet.ready():
+            return error_response(503, "no healthy replica yet", code="no_replica_available")
+        return web.json_response({"status": "ready", "replicas": sum(r.healthy for r in self.fleet.replicas())})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self._refresh_series()
+        for r in self.fleet.replicas():
+            try:
+                async with asyncio.timeout(self.settings.index_timeout_s):
+                    self.metrics.index_entries.labels(r.name).set(await self.index.entry_count(r.name))
+            except Exception:  # noqa: BLE001 - a Redis outage must not break the scrape
+                self.metrics.index_errors.labels("entry_count").inc()
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    # -- admin --------------------------------------------------------------------------------
+    async def _admin_replicas(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
+        return web.json_response({"replicas": [asdict(st) for st in self.fleet.status()]})
+
+    async def _admin_body_replica(self, request: web.Request) -> str:
+        body = decode_json_object(await request.read())
+        name = body.get("replica")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "missing required parameter: 'replica'", param="replica", code="missing_required_parameter")
+        return name
+
+    async def _admin_drain(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
+        name = await self._admin_body_replica(request)
+        if not await self.fleet.drain(name):
+            raise ApiError(404, f"no replica named {name!r}", param="replica", code="replica_not_found")
+        log.info("admin: draining replica %s", name)
+        return web.json_response({"replica": name, "draining": True})
+
+    async def _admin_undrain(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
+        name = await self._admin_body_replica(request)
+        if not await self.fleet.undrain(name):
+            raise ApiError(404, f"no replica named {name!r}", param="replica", code="replica_not_found")
+        return web.json_response({"replica": name, "draining": False})
+
+
+def build_app(settings: RouterSettings, **kwargs: Any) -> RouterApp:
+    return RouterApp(settings, **kwargs)
+
+
+async def serve(settings: RouterSettings) -> None:
+    """Run until SIGTERM/SIGINT; then drain and stop."""
+    app = RouterApp(settings)
+    await app.start()
+    # Everything alive now (modules, tokenizers, settings) lives as long as the process: keep it out
+    # of the collector's generations, and collect the young one less often (requests allocate a lot).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)
+    print(f"kvroute router listening on {app.url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("signal received: draining (%d in flight)", app.in_flight)
+        await app.drain()
+    finally:
+        await app.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = load_settings(argv)
+    except SystemExit as exc:  # --help, or a flag argparse rejected (it printed why)
+        return int(exc.code or 0)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"kvroute router: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    import uvloop
+
+    try:
+        uvloop.run(serve(settings))
+    except (ValueError, OSError) as exc:  # a tokenizer path, a policy name, a port in use
+        print(f"kvroute router: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Router settings: one pydantic-settings model read from flags, environment and a config file.
+
+Every field is a command-line flag (kebab-case; nested ones as ``--fleet.health-interval-s``), an
+environment variable (``KVROUTE_PORT``, nested ``KVROUTE_FLEET__HEALTH_INTERVAL_S``; lists and dicts
+as JSON, except the comma-separated shorthands ``KVROUTE_REPLICAS`` and ``KVROUTE_API_KEYS``) and a
+key of the config file given by ``--config FILE`` or ``KVROUTE_CONFIG``.  Priority: flags, then
+environment, then the file, then defaults.
+
+The config file is TOML (``.toml``, read by the standard library) or JSON (``.json``); YAML
+(``.yaml``/``.yml``) works too when PyYAML is installed, which kvroute does not require.  Its keys
+are the field names, nested tables for ``fleet``, ``tokenizers`` and ``policy_options``::
+
+    port = 8000
+    replicas = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    policy = "cost_model"
+    [tokenizers]
+    "meta-llama/Llama-3.1-8B-Instruct" = "/models/llama-3.1-8b"
+    [fleet]
+    health_interval_s = 2.0
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+from .fleet import FleetSettings
+
+# The config file of the settings being built (the sources hook is a classmethod: no instance yet).
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("kvroute_config_file", default=None)
+
+
+def _comma_list(value: Any) -> Any:
+    """`a,b,c` from a flag or an env var; JSON lists and real lists pass through."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import json
+
+            return json.loads(text)
+        return [item.strip() for item in text.split(",") if item.strip()]
+    return value
+
+
+def config_file_source(settings_cls: type[BaseSettings], path: Path) -> PydanticBaseSettingsSource:
+    suffix = path.suffix.lower()
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    if suffix == ".toml":
+        return TomlConfigSettingsSource(settings_cls, toml_file=path)
+    if suffix == ".json":
+        return JsonConfigSettingsSource(settings_cls, json_file=path)
+    if suffix in (".yaml", ".yml"):
+        return YamlConfigSettingsSource(settings_cls, yaml_file=path)
+    raise ValueError(f"config file {path}: use .toml or .json (or .yaml with PyYAML installed)")
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVROUTE_",
+        env_nested_delimiter="__",
+        extra="forbid",  # a typo in the config file is an error, not a silently ignored key
+        cli_prog_name="kvroute router",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_avoid_json=True,
+        validate_default=True,
+    )
+
+    config: Path | None = Field(None, description="config file (.toml or .json; .yaml with PyYAML)")
+
+    # -- listening -------------------------------------------------------------------------
+    host: str = Field("0.0.0.0", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+
+    # -- fleet -----------------------------------------------------------------------------
+    replicas: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="replica base URLs, comma-separated (added to fleet.replicas)"
+    )
+    fleet: FleetSettings = Field(default_factory=FleetSettings, description="replica discovery and health")
+
+    # -- routing ---------------------------------------------------------------------------
+    policy: str = Field("cost_model", description="routing policy (router/policy)")
+    policy_options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the policy")
+    tokenizer: str | None = Field(None, description="tokenizer directory for models without their own")
+    tokenizers: dict[str, str] = Field(default_factory=dict, description="model name -> tokenizer directory")
+    redis_url: str | None = Field(None, description="Redis URL: shared prefix index (and fleet discovery)")
+    redis_key_prefix: str = Field("kvroute", description="prefix of every Redis key the index writes")
+    index_timeout_s: float = Field(0.2, gt=0, description="index call budget before routing without it")
+    predicted_ttl_s: float = Field(30.0, gt=0, description="life of a prediction on replicas with KV events")
+    kv_events: bool = Field(True, description="follow the KV events of replicas registered with an events endpoint")
+
+    # -- limits ----------------------------------------------------------------------------
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="largest request body (413 above)")
+    max_prompt_tokens: int | None = Field(None, gt=0, description="largest prompt in tokens (400 above)")
+    max_in_flight: int = Field(1024, gt=0, description="concurrent proxied requests (429 above)")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
+
+    # -- security --------------------------------------------------------------------------
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="client API keys, comma-separated (empty: no auth)"
+    )
+    admin_token: SecretStr | None = Field(None, description="bearer token of /admin/ (unset: admin disabled)")
+    tenant_isolation: bool = Field(False, description="derive cache_salt from the client's API key")
+    tenant_salt_secret: SecretStr | None = Field(None, description="HMAC key of tenant salts (share it among routers)")
+
+    # -- upstream --------------------------------------------------------------------------
+    connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect to a replica")
+    first_byte_timeout_s: float = Field(
+        300.0, gt=0, description="request sent -> first response byte (a whole non-streamed answer)"
+    )
+    idle_timeout_s: float = Field(60.0, gt=0, description="longest silence between two chunks of a stream")
+    retry_attempts: int = Field(2, ge=0, description="other replicas tried when one fails before the first byte")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for in-flight requests")
+
+    # -- observability ---------------------------------------------------------------------
+    reuse_window_blocks: int = Field(
+        200_000, gt=0, description="block hashes kept per model for reuse-available (LRU; ~42 MB a model at 200k)"
+    )
+    max_client_labels: int = Field(100, gt=0, description="distinct client labels in metrics; more -> 'other'")
+    log_level: str = Field("info", description="logging level")
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _split_replicas(cls, value: Any) -> Any:
+        return _comma_list(value)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        return _comma_list(value)
+
+    @field_validator("admin_token", "tenant_salt_secret", "tokenizer", "redis_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # `KVROUTE_ADMIN_TOKEN=` (an empty variable, as compose files pass them) means "not set"
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @model_validator(mode="after")
+    def _merge_shorthands(self) -> RouterSettings:
+        # `--replicas` and `--redis-url` are the everyday flags; the fleet reads its own settings
+        merged = list(self.fleet.replicas)
+        merged += [url for url in self.replicas if url not in merged]
+        self.fleet.replicas = merged
+        if self.redis_url and not self.fleet.redis_url:
+            self.fleet.redis_url = self.redis_url
+        if "redis_key_prefix" not in self.fleet.model_fields_set:
+            self.fleet.redis_key_prefix = self.redis_key_prefix
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file.get()
+        if path is not None:
+            sources.append(config_file_source(settings_cls, path))
+        return tuple(sources)
+
+    def tokenizer_dir(self, model: str) -> str | None:
+        return self.tokenizers.get(model, self.tokenizer)
+
+    def client_keys(self) -> set[str]:
+        return {key.get_secret_value() for key in self.api_keys}
+
+
+def _config_path(argv: Sequence[str] | None, env: dict[str, str]) -> Path | None:
+    args = list(argv or [])
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            return Path(args[i + 1])
+        if arg.startswith("--config="):
+            return Path(arg.split("=", 1)[1])
+    value = env.get("KVROUTE_CONFIG")
+    return Path(value) if value else None
+
+
+def load_settings(argv: Sequence[str] | None = None, **overrides: Any) -> RouterSettings:
+    """Settings from flags (``argv``; None reads no flags), env, the config file and ``overrides``."""
+    import os
+
+    path = _config_path(argv, dict(os.environ))
+    token = _config_file.set(path)
+    try:
+        if argv is None:
+            return RouterSettings(**overrides)
+        return RouterSettings(_cli_parse_args=list(argv), **overrides)
+    finally:
+        _config_file.reset(token)

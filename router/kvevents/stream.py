@@ -1,0 +1,510 @@
+"""One replica's KV-event stream: its sockets, its sequence bookkeeping, its replays.
+
+Sequence rules (``seq`` counts from 0 in each publisher process):
+- the next seq expected: apply it;
+- a seq already applied (a replay overlapped the live stream): skip it, unless its payload
+  differs from what was applied under that seq, which means another process: a restart;
+- a live seq not above the previous *live* one: a new publisher process, so the replica
+  restarted: ``clear_replica``, forget its hash map, replay the new process's history from 0;
+- a seq beyond the next: a gap.  With a replay endpoint, ask for the missing batches, starting
+  one before the gap so that the first reply proves it comes from the same process (its payload
+  digest must match the one applied); without one, ``drop_confirmed`` and relearn.
+- first contact (a new router, a router restart, the replica (re)joining): replay everything the
+  replica still buffers, after ``drop_confirmed``, so the index holds what this history says and
+  nothing a previous process or a missed removal left behind.
+- a reconnection of the SUB socket (the publisher went away and came back) is checked the same
+  way as a gap: the publisher may be a new process whose seq happens to continue ours.
+
+Index writes are coalesced: the batches read in one go (up to ``max_chunk``) become one
+``confirm`` / ``remove`` call per run of the same operation, so a Redis index pays a round trip per
+run, not per event.  When the index fails, writes stop until it answers again; then the stream
+resyncs (``drop_confirmed`` and a replay from 0), since the writes in between are lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import xxhash
+import zmq
+import zmq.asyncio
+from redis.exceptions import RedisError
+from zmq.utils.monitor import parse_monitor_message
+
+from router.index.base import PrefixIndex
+
+from .metrics import KVEventMetrics
+from .translate import ChainTranslator
+from .wire import END_SEQ, AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, WireError, parse_live, parse_replay, replay_request
+
+log = logging.getLogger("kvroute.kvevents")
+
+INDEX_ERRORS = (RedisError, OSError, TimeoutError)
+DIGEST_WINDOW = 4096  # payload digests kept, by seq: replay overlaps are far shorter
+RCV_HWM = 100_000  # live batches ZMQ may queue while a replay or a slow index holds us up
+INDEX_RETRY_S = 1.0
+CRASH_BACKOFF_S = 1.0
+_digest = xxhash.xxh3_64_intdigest
+
+ReplayOutcome = Literal["ok", "lost", "restarted", "failed"]
+OpKind = Literal["confirm", "remove", "clear", "drop"]
+
+
+@dataclass
+class StreamStatus:
+    """Plain data for tests, the admin API and logs."""
+
+    replica: str
+    endpoint: str
+    replay_endpoint: str | None
+    model: str
+    last_seq: int | None  # last batch whose index writes are done (this publisher's numbering)
+    batches_applied: int
+    restarts: int
+    gaps: int
+    replays: int
+    reconnects: int
+    synced: bool  # the first-contact replay is done (always True without a replay endpoint)
+    connected: bool
+    index_ok: bool
+    mapped_blocks: int  # engine hashes the translator knows
+    last_lag_s: float | None
+
+
+class _Ops:
+    """Index writes in order, consecutive writes of one kind merged into one call."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[tuple[OpKind, list[int]]] = []
+
+    def add(self, kind: OpKind, hashes: list[int]) -> None:
+        items = self.items
+        if kind == "clear":
+            items.clear()  # a clear makes every earlier write of this replica moot
+        elif items and items[-1][0] == kind and kind in ("confirm", "remove"):
+            items[-1][1].extend(hashes)
+            return
+        items.append((kind, hashes))
+
+    def take(self) -> list[tuple[OpKind, list[int]]]:
+        items, self.items = self.items, []
+        return items
+
+
+class ReplicaStream:
+    def __init__(
+        self,
+        *,
+        name: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        model: str,
+        capacity_blocks: int,
+        bind: bool,
+        index: PrefixIndex,
+        block_size_for: Callable[[str], int],
+        metrics: KVEventMetrics,
+        context: zmq.asyncio.Context,
+        on_progress: Callable[[], None],
+        replay_timeout_s: float,
+        max_chunk: int,
+    ) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.model = model
+        self.bind = bind
+        self.index = index
+        self._block_size_for = block_size_for
+        self._metrics = metrics
+        self._series = metrics.replica_series(name)
+        self._ctx = context
+        self._on_progress = on_progress
+        self._replay_timeout_s = replay_timeout_s
+        self._max_chunk = max_chunk
+        self.translator = ChainTranslator(model, capacity_blocks)
+        self._decoder = BatchDecoder()
+        self._ops = _Ops()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._poller: zmq.asyncio.Poller | None = None
+        # sequence bookkeeping
+        self._next: int | None = None  # seq expected next; None: unknown, take what comes
+        self._last_live: int | None = None  # last seq read off the live socket
+        self._digests: OrderedDict[int, int] = OrderedDict()
+        # what the pending ops carry, reported once they are written
+        self._pending_applied = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
+        self._pending_batches = 0
+        self._pending_lag_ts: list[float] = []
+        # status
+        self.last_seq: int | None = None
+        self.batches_applied = 0
+        self.restarts = self.gaps = self.replays = self.reconnects = 0
+        self.synced = False
+        self.connected = False
+        self.index_ok = True
+        self.last_lag_s: float | None = None
+        self._was_disconnected = False
+
+    def status(self) -> StreamStatus:
+        return StreamStatus(
+            replica=self.name, endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, model=self.model,
+            last_seq=self.last_seq, batches_applied=self.batches_applied, restarts=self.restarts, gaps=self.gaps,
+            replays=self.replays, reconnects=self.reconnects, synced=self.synced, connected=self.connected,
+            index_ok=self.index_ok, mapped_blocks=len(self.translator), last_lag_s=self.last_lag_s,
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Until cancelled.  A bug in one pass is logged and the stream starts over from scratch."""
+        while True:
+            try:
+                await self._run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug must not leave the replica unwatched for good
+                log.exception("KV-event stream of %s failed; starting it over", self.name)
+                self._close()
+                self._reset_sequence(clear_map=True)
+                self.synced = False
+                await asyncio.sleep(CRASH_BACKOFF_S)
+
+    async def _run_once(self) -> None:
+        try:
+            self._open()
+            await self._first_contact()
+            assert self._poller is not None
+            while True:
+                timeout = -1 if self.index_ok else INDEX_RETRY_S * 1000
+                ready = dict(await self._poller.poll(timeout))
+                if self._monitor in ready:
+                    await self._on_monitor()
+                if self._sub in ready:
+                    await self._on_live()
+                if not self.index_ok:
+                    await self._resync_after_index_failure()
+        finally:
+            self._close()
+
+    def _open(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, RCV_HWM)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: vLLM's is configurable and we do not know it
+        kinds = zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if self.bind else zmq.EVENT_CONNECTED)
+        monitor = sub.get_monitor_socket(kinds)
+        try:
+            if self.bind:
+                sub.bind(self.endpoint)
+            else:
+                sub.connect(self.endpoint)
+        except zmq.ZMQError:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+            raise
+        poller = zmq.asyncio.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
+        self._sub, self._monitor, self._poller = sub, monitor, poller
+
+    def _close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+            self._sub.close(linger=0)
+            self._sub = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+        self._poller = None
+        self.connected = False
+
+    # -- socket events --------------------------------------------------------------------
+    async def _on_monitor(self) -> None:
+        assert self._monitor is not None
+        while True:
+            try:
+                frames = await self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self._was_disconnected = True
+                self._on_progress()
+            elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.connected = True
+                if self._was_disconnected:
+                    self._was_disconnected = False
+                    self.reconnects += 1
+                    await self._after_reconnect()
+                elif not self.synced:
+                    await self._first_contact()  # the replica was not reachable when we first tried
+                self._on_progress()
+            await self._flush()
+
+    async def _on_live(self) -> None:
+        """Everything the SUB socket holds now (up to ``max_chunk``), then one flush."""
+        assert self._sub is not None
+        for _ in range(self._max_chunk):
+            try:
+                frames = await self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                seq, payload = parse_live(frames)
+            except WireError as exc:
+                log.warning("replica %s: not a KV-event message: %s", self.name, exc)
+                self._metrics.skip("bad_frame")
+                continue
+            await self._live(seq, payload)
+        await self._flush()
+
+    async def _live(self, seq: int, payload: bytes) -> None:
+        if self._last_live is not None and seq <= self._last_live:
+            await self._restart(f"live seq {seq} after {self._last_live}")
+        self._last_live = seq
+        if self._next is not None and seq < self._next:
+            applied = self._digests.get(seq)
+            if applied is None or applied == _digest(payload):
+                return  # a replay already applied it
+            await self._restart(f"seq {seq} arrived with other contents than the batch applied under it")
+        if self._next is not None and seq > self._next:
+            await self._gap(self._next, seq)
+        if self._next is not None and seq < self._next:
+            return  # the gap's replay brought it
+        self._apply(seq, payload, live=True)
+
+    # -- sequence handling ----------------------------------------------------------------
+    async def _first_contact(self) -> None:
+        """Rebuild what the index knows of this replica from the history it buffers."""
+        if not self.replay_endpoint:
+            self.synced = True
+            return
+        self._next = None  # apply the whole history, whatever was applied before
+        outcome = await self._replay(0, verify=None, drop_first=True)
+        if outcome == "failed":
+            log.warning("replica %s: no answer from its replay endpoint %s; following live events only",
+                        self.name, self.replay_endpoint)
+            return
+        self.synced = True
+        if self._next is None:
+            self._next = 0  # nothing published yet: the first batch will be seq 0
+        self._on_progress()
+
+    async def _gap(self, expected: int, seq: int) -> None:
+        self.gaps += 1
+        self._series.gaps.inc()
+        log.info("replica %s: KV-event gap, expected seq %d, got %d", self.name, expected, seq)
+        if not self.replay_endpoint:
+            self._lost()
+            return
+        outcome = await self._replay_from(expected)
+        if outcome == "restarted":
+            await self._restart("the replay shows another process")
+        elif outcome == "failed" or (self._next is not None and self._next < seq):
+            self._lost()  # what is still missing cannot be had
+
+    async def _after_reconnect(self) -> None:
+        """The publisher went away and came back: a network blip, or a new process."""
+        log.info("replica %s: KV-event socket reconnected", self.name)
+        if not self.replay_endpoint:
+            self._lost()  # whatever it published meanwhile is gone; a new process shows by its seq
+            return
+        if self._next is None or not self.synced:
+            await self._first_contact()
+            return
+        outcome = await self._replay_from(self._next)
+        if outcome == "restarted":
+            await self._restart("the replay after a reconnection shows another process")
+        elif outcome == "failed":
+            self._lost()
+
+    async def _replay_from(self, expected: int) -> ReplayOutcome:
+        """Replay from ``expected``, starting one earlier to prove it is the same process."""
+        previous = self._digests.get(expected - 1)
+        if previous is not None:
+            return await self._replay(expected - 1, verify=(expected - 1, previous), drop_first=False)
+        return await self._replay(expected, verify=None, drop_first=False)
+
+    async def _restart(self, reason: str) -> None:
+        log.warning("replica %s restarted (%s): clearing its index entries", self.name, reason)
+        self.restarts += 1
+        self._series.restarts.inc()
+        self._ops.add("clear", [])
+        self._reset_sequence(clear_map=True)
+        if self.replay_endpoint:
+            await self._replay(0, verify=None, drop_first=False)
+        await self._flush()
+        self._on_progress()
+
+    def _lost(self) -> None:
+        """Events are gone for good: forget what events confirmed, keep following."""
+        log.warning("replica %s: KV events lost; dropping its confirmed entries", self.name)
+        self._ops.add("drop", [])
+        self._next = None
+
+    def _reset_sequence(self, *, clear_map: bool) -> None:
+        """Forget the publisher's numbering (a new process counts from 0 again)."""
+        self._next = None
+        self._last_live = None
+        self.last_seq = None
+        self._digests.clear()
+        if clear_map:
+            self.translator.clear()
+
+    # -- replay ---------------------------------------------------------------------------
+    async def _replay(self, start: int, *, verify: tuple[int, int] | None, drop_first: bool) -> ReplayOutcome:
+        """Ask the replay endpoint for every batch from ``start`` and apply what is new.
+
+        ``verify``: (seq, digest) the first reply must match, else the publisher is another
+        process ("restarted", nothing applied).  "lost": the buffer no longer reaches back to
+        ``start`` (confirmed entries dropped, the rest applied).  ``drop_first``: drop confirmed
+        entries before applying (first contact).
+        """
+        assert self.replay_endpoint is not None
+        await self._flush()
+        self.replays += 1
+        self._series.replays.inc()
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        outcome: ReplayOutcome = "ok"
+        try:
+            dealer.connect(self.replay_endpoint)
+            await dealer.send_multipart(replay_request(start))
+            first = True
+            since_flush = 0
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout_s)
+                seq, payload = parse_replay(frames)
+                if first:
+                    first = False
+                    if verify is not None and (seq == END_SEQ or (seq == verify[0] and _digest(payload) != verify[1])):
+                        return "restarted"  # nothing at our last seq, or something else there
+                    if seq != END_SEQ and seq > start:
+                        outcome = "lost"
+                    if drop_first or outcome == "lost":
+                        self._ops.add("drop", [])
+                if seq == END_SEQ:
+                    break
+                if self._next is not None and seq < self._next:
+                    continue  # applied already (the verified batch, or an overlap)
+                self._apply(seq, payload, live=False)
+                since_flush += 1
+                if since_flush >= self._max_chunk:
+                    await self._flush()
+                    await asyncio.sleep(0)  # a long history must not starve the router's requests
+                    since_flush = 0
+        except (TimeoutError, WireError, zmq.ZMQError) as exc:
+            log.warning("replica %s: replay from seq %d failed: %r", self.name, start, exc)
+            outcome = "failed"
+        finally:
+            dealer.close(linger=0)
+        await self._flush()
+        return outcome
+
+    # -- applying -------------------------------------------------------------------------
+    def _apply(self, seq: int, payload: bytes, *, live: bool) -> None:
+        """Translate one batch into pending index writes; ``_flush`` writes them."""
+        digests = self._digests
+        digests[seq] = _digest(payload)
+        if len(digests) > DIGEST_WINDOW:
+            digests.popitem(last=False)
+        self._next = seq + 1
+        self._pending_batches += 1
+        try:
+            batch = self._decoder.decode(payload)
+        except WireError as exc:
+            log.warning("replica %s: undecodable KV-event batch %d: %s", self.name, seq, exc)
+            self._metrics.skip("bad_frame")
+            return
+        skip = self._metrics.skip
+        if batch.undecodable:
+            skip("undecodable", batch.undecodable)
+        block_size = self._block_size_for(self.model)
+        ops, translator, counts = self._ops, self.translator, self._pending_applied
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                hashes = translator.stored(ev, block_size, skip)
+                if hashes:
+                    ops.add("confirm", hashes)
+                counts["BlockStored"] += 1
+            elif isinstance(ev, BlockRemoved):
+                hashes = translator.removed(ev, skip)
+                if hashes:
+                    ops.add("remove", hashes)
+                counts["BlockRemoved"] += 1
+            elif isinstance(ev, AllBlocksCleared):
+                translator.clear()
+                ops.add("clear", [])
+                counts["AllBlocksCleared"] += 1
+        if live:
+            self._pending_lag_ts.append(batch.ts)
+
+    async def _flush(self) -> None:
+        ops = self._ops.take()
+        batches, self._pending_batches = self._pending_batches, 0
+        lag_ts, self._pending_lag_ts = self._pending_lag_ts, []
+        counts = self._pending_applied
+        self._pending_applied = dict.fromkeys(counts, 0)
+        if not ops and not batches:
+            return
+        if not self.index_ok:
+            self._metrics.skip("index_unavailable", batches)  # the resync replays what it can
+            return
+        try:
+            for kind, hashes in ops:
+                if kind == "confirm":
+                    await self.index.confirm(self.name, hashes)
+                elif kind == "remove":
+                    await self.index.remove(self.name, hashes)
+                elif kind == "clear":
+                    await self.index.clear_replica(self.name)
+                else:
+                    await self.index.drop_confirmed(self.name)
+        except INDEX_ERRORS as exc:
+            log.warning("replica %s: index write failed (%r); resyncing once it answers", self.name, exc)
+            self.index_ok = False
+            self._metrics.skip("index_unavailable", batches)
+            self._on_progress()
+            return
+        now = time.time()
+        for ts in lag_ts:
+            self._metrics.lag.observe(max(0.0, now - ts))
+        if lag_ts:
+            self.last_lag_s = now - lag_ts[-1]
+        for kind, n in counts.items():
+            if n:
+                self._series.applied[kind].inc(n)
+        self.batches_applied += batches
+        if self._next is not None:
+            self.last_seq = self._next - 1
+        self._on_progress()
+
+    async def _resync_after_index_failure(self) -> None:
+        """The writes since the failure are lost: once the index answers, rebuild from history.
+
+        The hash map stays: it followed every event meanwhile, so children of blocks stored
+        before the replay window still find their parents.
+        """
+        try:
+            await self.index.drop_confirmed(self.name)
+        except INDEX_ERRORS:
+            return  # still down; the poll timeout brings us back
+        log.info("replica %s: index reachable again, resyncing", self.name)
+        self.index_ok = True
+        self._ops.take()
+        if self.replay_endpoint:
+            self._next = None
+            await self._replay(0, verify=None, drop_first=False)
+        self._on_progress()

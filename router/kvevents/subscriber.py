@@ -1,0 +1,256 @@
+"""The router's KV-event subscriber: one stream per replica, all writing one prefix index.
+
+``KVEventSubscriber(index, block_size_for=fleet.block_size, registry=metrics.registry)``;
+``await start()``; ``watch(name, endpoint, replay_endpoint, model)`` per replica (or
+``fleet.subscribe(subscriber.on_fleet_event)``, which watches a replica with event endpoints
+once it is up and stops when it goes down or leaves); ``await stop()``.
+
+Several routers sharing one Redis index each subscribe to every replica and apply the same
+events: every write is idempotent (``confirm`` sets state and bumps the LRU stamp, ``remove``
+and ``clear_replica`` delete, ``drop_confirmed`` deletes), so the second application of an
+event changes nothing a lookup sees.  Routers do not coordinate: one that lags another may
+re-confirm a block the other already removed, until its own copy of the BlockRemoved arrives,
+i.e. for at most the lag difference between the two (milliseconds on one network).  One elected
+writer per replica would close that window at the price of a lease, a failover and a writer that
+every other router depends on; idempotent writes were chosen as the simpler, failure-free way.
+A router that starts (first contact) drops the replica's confirmed entries and replays its
+history: for a moment every router sees fewer confirmed blocks, not stale ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from router.index.base import PrefixIndex
+
+from .metrics import KVEventMetrics
+from .stream import ReplicaStream, StreamStatus
+
+if TYPE_CHECKING:
+    from router.fleet import Replica
+
+log = logging.getLogger("kvroute.kvevents")
+
+DEFAULT_CAPACITY_BLOCKS = 65_536  # hash-map bound while a replica's KV capacity is unknown
+DEFAULT_REPLAY_TIMEOUT_S = 2.0
+DEFAULT_MAX_CHUNK = 512
+
+
+def base_model(replica: Replica) -> str | None:
+    """The base model a fleet replica serves: its model card without a ``parent`` (LoRA adapters
+    name the base as their parent), else its first model."""
+    for card in replica.model_cards:
+        parent = card.get("parent")
+        if isinstance(card.get("id"), str) and (not parent or parent == card["id"]):
+            return card["id"]
+    models = sorted(replica.models)
+    return models[0] if models else None
+
+
+def reachable_endpoint(endpoint: str, replica_url: str) -> str:
+    """A registered endpoint as a subscriber connects to it: vLLM's bind address
+    ``tcp://*:5557`` (or 0.0.0.0, ::) names no host, so the replica's own host stands in."""
+    scheme, sep, rest = endpoint.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not colon or host not in ("*", "0.0.0.0", "[::]", "::"):
+        return endpoint
+    replica_host = urlsplit(replica_url).hostname
+    if not replica_host:
+        return endpoint
+    if ":" in replica_host:
+        replica_host = f"[{replica_host}]"
+    return f"tcp://{replica_host}:{port}"
+
+
+class KVEventSubscriber:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        block_size_for: Callable[[str], int],
+        registry: CollectorRegistry | None = None,
+        replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        default_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.index = index
+        self.block_size_for = block_size_for
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = KVEventMetrics(self.registry)
+        self.replay_timeout_s = replay_timeout_s
+        self.default_capacity_blocks = default_capacity_blocks
+        self.max_chunk = max_chunk
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._streams: dict[str, ReplicaStream] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._started = False
+        self._changed = asyncio.Event()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._started = True
+        for name in self._streams:
+            self._spawn(name)
+
+    async def stop(self) -> None:
+        self._started = False
+        for name in list(self._streams):
+            self._cancel(name)
+        pending = list(self._stopping)
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def __aenter__(self) -> KVEventSubscriber:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- replicas -------------------------------------------------------------------------
+    def watch(
+        self,
+        replica: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        model: str,
+        *,
+        capacity_blocks: int | None = None,
+        bind: bool = False,
+    ) -> None:
+        """Follow ``replica``'s events.  ``bind``: the replica connects to us (vLLM's endpoint is a
+        specific host), so this socket binds ``endpoint``.  Watching again with the same
+        arguments is a no-op; with others, the old stream stops and a new one starts (first
+        contact: its history is replayed)."""
+        current = self._streams.get(replica)
+        if current is not None and (current.endpoint, current.replay_endpoint, current.model, current.bind) == (
+            endpoint, replay_endpoint, model, bind
+        ):
+            return
+        if current is not None:
+            self._cancel(replica)
+        self._streams[replica] = ReplicaStream(
+            name=replica,
+            endpoint=endpoint,
+            replay_endpoint=replay_endpoint or None,
+            model=model,
+            capacity_blocks=capacity_blocks or self.default_capacity_blocks,
+            bind=bind,
+            index=self.index,
+            block_size_for=self.block_size_for,
+            metrics=self.metrics,
+            context=self._ctx,
+            on_progress=self._notify,
+            replay_timeout_s=self.replay_timeout_s,
+            max_chunk=self.max_chunk,
+        )
+        if self._started:
+            self._spawn(replica)
+
+    async def unwatch(self, replica: str) -> None:
+        """Stop following ``replica`` (its index entries stay: the fleet decides about those)."""
+        task = self._cancel(replica)
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+
+    def watched(self) -> list[str]:
+        return list(self._streams)
+
+    def on_fleet_event(self, event: str, replica: Replica) -> None:
+        """Adapter for ``Fleet.subscribe``: follow replicas that are up and publish events.
+
+        "up": watch (the fleet has just registered it in the index, so writes land).
+        "down" / "left": stop; the fleet dropped its entries, and a replica that comes back is
+        watched afresh, its history replayed.  "restarted": the fleet cleared its entries; a
+        fresh stream replays the new process's history.  "changed": new endpoints.
+        """
+        name = replica.name
+        if event in ("down", "left"):
+            self._cancel(name)
+            return
+        if event not in ("up", "changed", "restarted"):
+            return
+        if not replica.healthy or not replica.events_endpoint:
+            self._cancel(name)
+            return
+        model = base_model(replica)
+        if model is None:
+            log.warning("replica %s publishes KV events but serves no known model: not watched", name)
+            return
+        if event == "restarted":
+            self._cancel(name)
+        replay = replica.replay_endpoint
+        self.watch(
+            name,
+            reachable_endpoint(replica.events_endpoint, replica.url),
+            reachable_endpoint(replay, replica.url) if replay else None,
+            model,
+            capacity_blocks=replica.capacity_blocks,
+        )
+
+    # -- observing ------------------------------------------------------------------------
+    def status(self, replica: str) -> StreamStatus | None:
+        stream = self._streams.get(replica)
+        return stream.status() if stream is not None else None
+
+    def statuses(self) -> list[StreamStatus]:
+        return [s.status() for s in self._streams.values()]
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Return once ``predicate()`` holds; it is re-checked whenever a stream makes progress
+        (index writes done, a restart, a reconnection).  TimeoutError after ``timeout``."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await self._changed.wait()
+
+    async def wait_applied(self, replica: str, seq: int, timeout: float = 10.0) -> None:
+        """Until the batch ``seq`` of ``replica``'s current publisher is in the index."""
+
+        def done() -> bool:
+            st = self.status(replica)
+            return st is not None and st.last_seq is not None and st.last_seq >= seq
+
+        await self.wait_until(done, timeout)
+
+    async def wait_synced(self, replica: str, timeout: float = 10.0) -> None:
+        """Until ``replica``'s first-contact replay is applied."""
+
+        def done() -> bool:
+            st = self.status(replica)
+            return st is not None and st.synced
+
+        await self.wait_until(done, timeout)
+
+    # -- internals ------------------------------------------------------------------------
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _spawn(self, name: str) -> None:
+        stream = self._streams[name]
+        task = asyncio.get_running_loop().create_task(stream.run(), name=f"kv-events-{name}")
+        self._tasks[name] = task
+
+    def _cancel(self, name: str) -> asyncio.Task[None] | None:
+        """Synchronous, so that fleet events keep their order: the stream is gone at once, its
+        task finishes (closing its sockets) on its own."""
+        self._streams.pop(name, None)
+        task = self._tasks.pop(name, None)
+        if task is None:
+            return None
+        task.cancel()
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+        self._notify()
+        return task
+
+
+__all__ = ["KVEventSubscriber", "StreamStatus", "base_model", "reachable_endpoint"]

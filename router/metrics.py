@@ -1,0 +1,198 @@
+"""Prometheus metrics of the router (prefix ``kvroute_``), in a registry of their own.
+
+Token counters rather than ratios, so that several routers add up: the hit-rate breakdown of
+DESIGN §6 is ``reuse_X_tokens_total / prompt_tokens_total`` per model, summed over routers.
+Series a dashboard names exist from the first scrape: label sets are created at zero as soon as
+their values are known (models and replicas on every scrape, policy reasons at start).
+Per-replica gauges are read from the fleet and the load tracker when scraped, never copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OTHER_CLIENT = "other"
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+# microseconds to tens of milliseconds: the router's own share of a request
+_ADDED_LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_INDEX_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25)
+INDEX_OPS = ("lookup", "record_prediction", "entry_count")
+UPSTREAM_STAGES = ("connect", "first_byte", "mid_stream")
+
+
+class ClientLabels:
+    """Caps a label's cardinality: the first ``cap`` distinct values keep their name, later ones are 'other'."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._known: set[str] = set()
+
+    def __call__(self, client: str) -> str:
+        if client in self._known:
+            return client
+        if len(self._known) < self.cap:
+            self._known.add(client)
+            return client
+        return OTHER_CLIENT
+
+
+class _ReplicaCollector(Collector):
+    """Per-replica gauges, read from live state at scrape time."""
+
+    def __init__(self, source: Callable[[], Iterable[tuple[str, bool, str, int, int, float]]]):
+        self._source = source
+
+    def collect(self):
+        in_flight = GaugeMetricFamily("kvroute_replica_in_flight", "requests the router has in flight there", labels=["replica"])
+        healthy = GaugeMetricFamily("kvroute_replica_healthy", "1 if the replica passes health checks", labels=["replica"])
+        breaker = GaugeMetricFamily(
+            "kvroute_replica_breaker_state", "circuit breaker: 0 closed, 1 half-open, 2 open", labels=["replica"]
+        )
+        queued = GaugeMetricFamily(
+            "kvroute_replica_queued_prefill_tokens", "uncached prompt tokens sent there, first token pending", labels=["replica"]
+        )
+        rate = GaugeMetricFamily("kvroute_replica_prefill_rate", "learned prefill rate, tokens/s", labels=["replica"])
+        for name, is_healthy, breaker_state, flying, queued_tokens, prefill_rate in self._source():
+            in_flight.add_metric([name], flying)
+            healthy.add_metric([name], 1.0 if is_healthy else 0.0)
+            breaker.add_metric([name], BREAKER_STATES.get(breaker_state, 2))
+            queued.add_metric([name], queued_tokens)
+            rate.add_metric([name], prefill_rate)
+        yield from (in_flight, healthy, breaker, queued, rate)
+
+
+@dataclass
+class ModelSeries:
+    """One model's children of the labelled metrics, bound once (``labels()`` costs microseconds)."""
+
+    prompt_tokens: Any
+    reuse_available: Any
+    reuse_predicted: Any
+    reuse_delivered: Any
+    reuse_measured_prompt: Any
+    ttft: Any
+
+
+class RouterMetrics:
+    def __init__(self, policy: str, reasons: Iterable[str] = (), max_client_labels: int = 100):
+        self.policy = policy
+        self.registry = r = CollectorRegistry()
+        self.client_label = ClientLabels(max_client_labels)
+        self.requests = Counter(
+            "kvroute_requests", "requests answered, by model, replica and HTTP status", ["model", "replica", "status"], registry=r
+        )
+        self.decisions = Counter(
+            "kvroute_routing_decisions", "routing decisions by policy and reason", ["policy", "reason"], registry=r
+        )
+        self.added_latency = Histogram(
+            "kvroute_router_added_latency_seconds",
+            "time in the router before the upstream request is sent (parse, tokenize, hash, index, policy)",
+            buckets=_ADDED_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvroute_ttft_seconds", "time to first token as the router sees it", ["model"], buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("kvroute_prompt_tokens", "prompt tokens routed", ["model"], registry=r)
+        self.reuse_available = Counter(
+            "kvroute_reuse_available_tokens",
+            "prompt tokens (full blocks) an earlier prompt in the window shared as a prefix",
+            ["model"],
+            registry=r,
+        )
+        self.reuse_predicted = Counter(
+            "kvroute_reuse_predicted_tokens", "prompt tokens the chosen replica was believed to hold", ["model"], registry=r
+        )
+        self.reuse_delivered = Counter(
+            "kvroute_reuse_delivered_tokens", "prompt tokens the engine reported cached (cached_tokens)", ["model"], registry=r
+        )
+        self.reuse_measured_prompt = Counter(
+            "kvroute_reuse_measured_prompt_tokens",
+            "prompt tokens of the requests whose engine reported cached_tokens (the denominator of delivered)",
+            ["model"],
+            registry=r,
+        )
+        self.cache_hostile = Counter(
+            "kvroute_cache_hostile_prompts",
+            "prompts whose first block is new while a long later stretch was seen before",
+            ["client"],
+            registry=r,
+        )
+        self.in_flight = Gauge("kvroute_in_flight", "requests the router is proxying", registry=r)
+        self.upstream_failures = Counter(
+            "kvroute_upstream_failures", "upstream failures by replica and stage", ["replica", "stage"], registry=r
+        )
+        self.index_entries = Gauge("kvroute_index_entries", "prefix-index entries held per replica", ["replica"], registry=r)
+        self.index_errors = Counter("kvroute_index_errors", "index calls that failed or timed out", ["op"], registry=r)
+        self.index_latency = Histogram(
+            "kvroute_index_latency_seconds", "index call latency", ["op"], buckets=_INDEX_BUCKETS, registry=r
+        )
+        # series known from the start
+        for reason in reasons:
+            self.decisions.labels(policy, reason)
+        self.decisions.labels(policy, "failover")
+        self.cache_hostile.labels(OTHER_CLIENT)
+        for op in INDEX_OPS:
+            self.index_errors.labels(op)
+        self.lookup_latency = self.index_latency.labels("lookup")
+        self.record_latency = self.index_latency.labels("record_prediction")
+        self._models: dict[str, ModelSeries] = {}
+        self._replicas: set[tuple[str, str]] = set()
+        self._decisions: dict[str, Any] = {}
+
+    def bind_replicas(self, source: Callable[[], Iterable[tuple[str, bool, str, int, int, float]]]) -> None:
+        """``source`` yields (name, healthy, breaker state, in flight, queued tokens, prefill rate)."""
+        self.registry.register(_ReplicaCollector(source))
+
+    def model(self, model: str) -> ModelSeries:
+        """A model's series, created at zero the first time."""
+        series = self._models.get(model)
+        if series is None:
+            series = self._models[model] = ModelSeries(
+                prompt_tokens=self.prompt_tokens.labels(model),
+                reuse_available=self.reuse_available.labels(model),
+                reuse_predicted=self.reuse_predicted.labels(model),
+                reuse_delivered=self.reuse_delivered.labels(model),
+                reuse_measured_prompt=self.reuse_measured_prompt.labels(model),
+                ttft=self.ttft.labels(model),
+            )
+        return series
+
+    def decision(self, reason: str) -> None:
+        child = self._decisions.get(reason)
+        if child is None:
+            child = self._decisions[reason] = self.decisions.labels(self.policy, reason)
+        child.inc()
+
+    def know_model(self, model: str, replicas: Iterable[str] = ()) -> None:
+        """Create a model's series (and its replicas' request series) at zero."""
+        self.model(model)
+        for replica in replicas:
+            if (model, replica) not in self._replicas:
+                self._replicas.add((model, replica))
+                self.requests.labels(model, replica, "200")
+                self.index_entries.labels(replica)
+                for stage in UPSTREAM_STAGES:
+                    self.upstream_failures.labels(replica, stage)
+
+    def forget_replica(self, replica: str) -> None:
+        """A replica left: its gauges must not report stale values."""
+        try:
+            self.index_entries.remove(replica)
+        except KeyError:
+            pass
+
+    def hostile(self, client: str) -> None:
+        self.cache_hostile.labels(self.client_label(client)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,286 @@
+"""kvroute's own policy: the lowest estimated time to first token, under bounded loads (DESIGN §5).
+
+The estimate, for each eligible replica r holding m_r leading blocks of a P-token prompt:
+
+    uncached_r = P - m_r * block_size
+    est_ttft_r = (queued_prefill_tokens_r + own_work_weight * uncached_r
+                  + decode_weight * decoding_r * steps_r) / prefill_rate
+
+- Work queued ahead of us and our own uncached prefill both delay our first token, so both
+  count once: a request stays with the replica holding its prefix until that replica's queue
+  costs more than a fresh prefill elsewhere, then goes elsewhere and the prefix gets a second
+  copy.  ``own_work_weight`` > 1 would also price the delay our prefill imposes on requests that
+  queue behind it: in the simulator, 3 keeps a third more cache hits on an overloaded trace, but
+  at a cold start it queues requests behind copies still being built instead of building more,
+  which costs the tail on a 16-replica fleet.  The default stays at 1, the plain estimate.
+- ``decode_penalty`` is small on purpose.  With chunked prefill every engine step also advances
+  each running sequence by one token, so during the ``steps_r = 1 + work_r // step_token_budget``
+  steps before our first token the ``decoding_r`` running sequences add work.
+  ``decode_weight`` is one decoding sequence's cost in a step, in prompt-token equivalents: its
+  share of the dense layers (about 1.4 prompt tokens for an 8B model) plus reading its KV context
+  (about 2 prompt tokens per 1k context tokens on an H100-class part): 4 for a 1-2k context.  It
+  separates replicas whose decode load differs (a few ms: a tie-breaker next to a cache hit).
+  ``decoding_r`` is the larger of the router's in-flight count and the scraped
+  ``num_requests_running`` (other routers' requests show only in the latter).
+- ``prefill_rate`` is the *median* of the eligible replicas' learned rates (unknown ones count as
+  ``default_prefill_rate``).  The LoadTracker learns a rate from (work ahead) / TTFT; for short
+  prefills the TTFT is mostly engine step time, so identical replicas learn rates that differ by
+  tens of percent, and comparing replicas through them routes by noise.  Pass
+  ``per_replica_rates=True`` for a fleet of unlike hardware.
+
+The choice:
+1. Bounded loads, as consistent hashing with bounded loads: a replica may take the request only
+   if ``in_flight + 1 <= max(ceil((1 + epsilon) * (total_in_flight + 1) / n), bound_floor)``.
+   The least loaded replica always qualifies.  The bound is loose (epsilon = 1: twice the mean)
+   because moving a conversation off its replica costs a full prefill of its history, far more
+   than the few ms a longer decode batch adds; it stops pile-ups, not fluctuations.  The floor
+   keeps it quiet at low load.
+2. New sessions (a session key never seen, or forgotten) are placed under a second bound, on
+   *active* sessions per replica (a session is active for ``session_idle_s`` after its last
+   request): ``active + 1 <= ceil((1 + session_epsilon) * (total_active + 1) / n)``.  A session's
+   later turns follow it, so this is where the fleet's long-run balance is decided; within the
+   bound the estimate still prefers a replica holding the shared system prompt.
+3. Argmin of ``est_ttft`` over the qualifying replicas; ties go to fewer requests in flight,
+   then rotate.  A request with no match anywhere thus goes to the least estimated work.
+4. Starvation: bounded loads still let up to n * eps / (1 + eps) replicas sit idle next to the
+   holders of a hot prefix (no request is cheaper there).  A qualifying replica that has not been
+   chosen in the last ``starve_window * n`` decisions, while the fleet is past ``bound_floor``,
+   gets the next request, which builds the hot prefix there; from then on the estimate spreads
+   the load over all holders.
+5. Session hint: if the replica that last served the request's session qualifies and its
+   estimate is within ``session_ratio * best + session_slack_s``, it keeps the session (the index
+   may have lost or not yet learnt what it holds).  At most ``max_sessions`` are remembered (LRU).
+
+Reasons: "cache" (the argmin holds a prefix), "load" (the argmin holds none: least work),
+"balance" (a bound or the starvation rule overrode the unconstrained argmin), "session" (the
+hint changed the choice).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from .base import Decision, Policy, ReplicaState, RouteRequest
+
+EPSILON = 1.0
+BOUND_FLOOR = 4
+SESSION_EPSILON = 0.0
+SESSION_IDLE_S = 120.0
+OWN_WORK_WEIGHT = 1.0
+DECODE_WEIGHT = 4.0
+STEP_TOKEN_BUDGET = 8192  # vLLM's default max_num_batched_tokens for the OpenAI server on big GPUs
+STARVE_WINDOW = 8.0
+SESSION_RATIO = 1.25
+SESSION_SLACK_S = 0.05
+MAX_SESSIONS = 100_000
+
+
+class SessionBook:
+    """Which replica serves each session (LRU-bounded), and how many sessions are active per replica.
+
+    A session is active for ``idle_s`` after its last request; counts are kept incrementally.
+    """
+
+    def __init__(self, max_sessions: int, idle_s: float):
+        self.max_sessions = max_sessions
+        self.idle_s = idle_s
+        self._home: OrderedDict[str, str] = OrderedDict()  # session -> replica, LRU order
+        self._live: OrderedDict[str, tuple[str, float]] = OrderedDict()  # by last request time
+        self._active: dict[str, int] = {}
+
+    def home(self, session: str) -> str | None:
+        return self._home.get(session)
+
+    def active(self, replica: str) -> int:
+        return self._active.get(replica, 0)
+
+    def expire(self, now: float) -> None:
+        live = self._live
+        while live:
+            session, (replica, seen) = next(iter(live.items()))
+            if seen >= now - self.idle_s:
+                break
+            del live[session]
+            self._active[replica] -= 1
+
+    def touch(self, session: str, replica: str, now: float) -> None:
+        self._home[session] = replica
+        self._home.move_to_end(session)
+        if len(self._home) > self.max_sessions:
+            self._home.popitem(last=False)
+        old = self._live.pop(session, None)
+        if old is not None:
+            self._active[old[0]] -= 1
+        self._live[session] = (replica, now)
+        self._active[replica] = self._active.get(replica, 0) + 1
+
+    def forget_replica(self, replica: str) -> None:
+        for session in [s for s, r in self._home.items() if r == replica]:
+            del self._home[session]
+        for session in [s for s, (r, _) in self._live.items() if r == replica]:
+            del self._live[session]
+        self._active.pop(replica, None)
+
+
+class CostModelPolicy(Policy):
+    name = "cost_model"
+
+    def __init__(
+        self,
+        *,
+        epsilon: float = EPSILON,
+        bound_floor: int = BOUND_FLOOR,
+        session_epsilon: float | None = SESSION_EPSILON,
+        session_idle_s: float = SESSION_IDLE_S,
+        own_work_weight: float = OWN_WORK_WEIGHT,
+        decode_weight: float = DECODE_WEIGHT,
+        step_token_budget: int = STEP_TOKEN_BUDGET,
+        default_prefill_rate: float | None = None,
+        per_replica_rates: bool = False,
+        starve_window: float = STARVE_WINDOW,
+        session_ratio: float = SESSION_RATIO,
+        session_slack_s: float = SESSION_SLACK_S,
+        max_sessions: int = MAX_SESSIONS,
+        seed: int = 0,
+    ):
+        """Tunables (defaults in the module constants; the module docstring says why):
+
+        epsilon: in-flight bound, (1 + epsilon) x the mean (1.0).
+        bound_floor: in-flight count a replica may always reach (4).
+        session_epsilon: active-session bound for placing new sessions (0.0: at most the
+            rounded-up mean); None disables the rule.
+        session_idle_s: a session stays active this long after its last request (120 s).
+        own_work_weight: weight of the request's own uncached prefill against queued work (1.0).
+        decode_weight: prompt-token cost of one running sequence per engine step (4.0).
+        step_token_budget: tokens per engine step, vLLM's max_num_batched_tokens (8192).
+        default_prefill_rate: tokens/s for replicas with no learned rate (None: the
+            LoadTracker's prior, router.load.DEFAULT_PREFILL_RATE).
+        per_replica_rates: each replica's own learned rate instead of the median (False).
+        starve_window: decisions, in multiples of the fleet size, after which an unchosen
+            replica gets the next request (8); 0 disables the rule.
+        session_ratio, session_slack_s: how much worse than the best a session's replica may be
+            estimated and still keep the session (1.25 x + 50 ms).
+        max_sessions: session -> replica entries remembered (LRU, 100k).
+        seed: accepted for a uniform constructor; the policy is deterministic.
+        """
+        if default_prefill_rate is None:
+            # Imported here: router.load imports this package (for ReplicaState) at its top.
+            from ..load import DEFAULT_PREFILL_RATE
+
+            default_prefill_rate = DEFAULT_PREFILL_RATE
+        if epsilon < 0 or (session_epsilon is not None and session_epsilon < 0):
+            raise ValueError("epsilon and session_epsilon must be >= 0")
+        if step_token_budget <= 0 or default_prefill_rate <= 0 or max_sessions <= 0:
+            raise ValueError("step_token_budget, default_prefill_rate, max_sessions must be > 0")
+        self.epsilon = epsilon
+        self.bound_floor = bound_floor
+        self.session_epsilon = session_epsilon
+        self.own_work_weight = own_work_weight
+        self.decode_weight = decode_weight
+        self.step_token_budget = step_token_budget
+        self.default_prefill_rate = default_prefill_rate
+        self.per_replica_rates = per_replica_rates
+        self.starve_window = starve_window
+        self.session_ratio = session_ratio
+        self.session_slack_s = session_slack_s
+        self.sessions = SessionBook(max_sessions, session_idle_s)
+        self._decisions = 0
+        self._last_pick: dict[str, int] = {}  # replica -> decision number of its last pick
+
+    # -- the estimate --------------------------------------------------------------------------
+    def matched_blocks(self, req: RouteRequest, replica: str) -> int:
+        return min(req.matches.get(replica, 0), len(req.chain))
+
+    def rate_of(self, r: ReplicaState) -> float:
+        return r.prefill_rate if r.prefill_rate > 0 else self.default_prefill_rate
+
+    def est_ttft(self, req: RouteRequest, r: ReplicaState, rate: float | None = None) -> float:
+        """Estimated seconds to the first token on ``r`` (``rate``: that replica's own if None)."""
+        uncached = max(0, req.prompt_tokens - self.matched_blocks(req, r.name) * req.block_size)
+        queued = r.queued_prefill_tokens
+        steps = 1 + (queued + uncached) // self.step_token_budget
+        decoding = max(r.in_flight, r.running)
+        work = queued + self.own_work_weight * uncached + self.decode_weight * decoding * steps
+        return work / (self.rate_of(r) if rate is None else rate)
+
+    def load_bound(self, replicas: Sequence[ReplicaState]) -> int:
+        total = sum(r.in_flight for r in replicas)
+        mean_with_new = (total + 1) / len(replicas)
+        return max(math.ceil((1 + self.epsilon) * mean_with_new - 1e-9), self.bound_floor)
+
+    def session_bound(self, replicas: Sequence[ReplicaState], epsilon: float) -> int:
+        total = sum(self.sessions.active(r.name) for r in replicas)
+        return math.ceil((1 + epsilon) * (total + 1) / len(replicas) - 1e-9)
+
+    # -- the choice ----------------------------------------------------------------------------
+    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+        n = len(replicas)
+        turn = self._decisions
+        self._decisions += 1
+        key = req.session_key
+        if key is not None:
+            self.sessions.expire(req.now)
+        if n == 1:
+            only = replicas[0].name
+            return self._decided(req, only, "cache" if self.matched_blocks(req, only) else "load")
+
+        if self.per_replica_rates:
+            cost = [self.est_ttft(req, r) for r in replicas]
+        else:
+            pooled = statistics.median(self.rate_of(r) for r in replicas)
+            cost = [self.est_ttft(req, r, pooled) for r in replicas]
+
+        def rank(i: int) -> tuple[float, int, int]:
+            return (cost[i], replicas[i].in_flight, (i - turn) % n)
+
+        bound = self.load_bound(replicas)
+        allowed = [i for i, r in enumerate(replicas) if r.in_flight + 1 <= bound]
+        home = self.sessions.home(key) if key is not None else None
+        if key is not None and home is None and self.session_epsilon is not None:
+            # A new session: its later turns follow it, so place it where sessions are few.
+            limit = self.session_bound(replicas, self.session_epsilon)
+            allowed = [i for i in allowed if self.sessions.active(replicas[i].name) + 1 <= limit] or allowed
+        if self.starve_window > 0 and bound > self.bound_floor:
+            horizon = turn - self.starve_window * n
+            last = self._last_pick
+            starved = [i for i in allowed if last.setdefault(replicas[i].name, turn) < horizon]
+            allowed = starved or allowed
+
+        best_any = min(range(n), key=rank)
+        best = min(allowed, key=rank)
+        name = replicas[best].name
+        if best != best_any:
+            reason = "balance"
+        else:
+            reason = "cache" if self.matched_blocks(req, name) else "load"
+
+        if home is not None and home != name:
+            h = next((i for i, r in enumerate(replicas) if r.name == home), None)
+            if (
+                h is not None
+                and replicas[h].in_flight + 1 <= bound
+                and cost[h] <= cost[best] * self.session_ratio + self.session_slack_s
+            ):
+                name, reason = home, "session"
+        return self._decided(req, name, reason)
+
+    def _decided(self, req: RouteRequest, name: str, reason: str) -> Decision:
+        self._last_pick[name] = self._decisions - 1  # this decision's number
+        if req.session_key is not None:
+            self.sessions.touch(req.session_key, name, req.now)
+        return Decision(name, reason, self.matched_blocks(req, name))
+
+    def session_replica(self, session: str) -> str | None:
+        return self.sessions.home(session)
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        # A retry may have sent the request elsewhere: the session now lives where it really went.
+        if req.session_key is not None and self.sessions.home(req.session_key) != decision.replica:
+            self.sessions.touch(req.session_key, decision.replica, req.now)
+
+    def forget_replica(self, replica: str) -> None:
+        self.sessions.forget_replica(replica)
+        self._last_pick.pop(replica, None)

@@ -1,0 +1,27 @@
+"""Least-loaded: fewest requests in flight.
+
+As KubeAI's ``LeastLoad`` strategy (``internal/loadbalancer/balance_least_load.go``): the endpoint
+with the lowest router-tracked in-flight count wins.  KubeAI scans a Go map, whose iteration order
+is randomised, so ties fall on an arbitrary endpoint; here ties are broken by a seeded
+``random.Random`` so runs are reproducible and no replica is favoured by its position.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from .base import Decision, Policy, ReplicaState, RouteRequest
+
+
+class LeastLoadedPolicy(Policy):
+    name = "least_loaded"
+
+    def __init__(self, *, seed: int = 0):
+        self._rng = random.Random(seed)
+
+    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+        low = min(r.in_flight for r in replicas)
+        tied = [r for r in replicas if r.in_flight == low]
+        pick = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return Decision(pick.name, "load", req.matches.get(pick.name, 0))

@@ -1,0 +1,25 @@
+"""Round-robin: the control baseline.
+
+As sglang-router 0.3.2 (``policies/round_robin.rs``): one counter shared by all requests, the
+pick is ``counter % len(healthy workers)``, the counter advances on every request.  Cycling is
+over the eligible replicas in the order the caller passes them, so a replica that leaves or comes
+back shifts the cycle, as it does in sglang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .base import Decision, Policy, ReplicaState, RouteRequest
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self, *, seed: int = 0):
+        self._counter = 0  # ``seed`` is accepted for a uniform constructor; nothing is random here
+
+    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+        pick = replicas[self._counter % len(replicas)]
+        self._counter += 1
+        return Decision(pick.name, "round_robin", req.matches.get(pick.name, 0))

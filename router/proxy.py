@@ -1,0 +1,462 @@
+"""Forwarding to replicas: timeouts, retries before the first byte, SSE relayed chunk by chunk.
+
+A request is *committed* once the router has written its first byte to the client.  Until then
+any failure (refused connection, timeout, a 5xx, a stream that dies before its first event, a
+non-streamed body cut short) is retried on the next-best replica, up to the configured attempts;
+after that, a stream is ended with an OpenAI error event and ``[DONE]``, as vLLM itself does.
+For a stream the router therefore waits for the first upstream event before sending headers: it
+costs nothing (the client waits for that event anyway) and it makes a replica that accepts the
+connection and then dies retryable.
+
+Streams are relayed as they arrive (``readany``: whatever bytes the socket delivered; each complete
+event is written at once, a partial one waits only for its own end), with TCP_NODELAY on both
+sockets (aiohttp sets it on every connection it makes or accepts; ``_nodelay`` makes sure, once per
+connection), so no event waits on Nagle.  The only parsing is what the router needs: each chunk is
+scanned for a usage object (a regex search, in C) and only events that carry one are decoded, to
+read ``cached_tokens`` and to withhold the usage-only chunk from a client that did not ask for it.
+
+Timeouts: connect (TCP), first byte (request sent to first response event; for a non-streamed
+answer that is the whole generation), idle (longest silence between two stream chunks).  A client
+that disconnects cancels the handler (the app runs with ``handler_cancellation``), which closes
+the upstream connection, so the engine aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from .errors import ApiError, sse_error_event
+
+log = logging.getLogger("kvroute.router")
+
+_decode = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder()
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_DONE = b"[DONE]"
+# a usage object (not the "usage": null every OpenAI-style chunk carries): only then decode
+_HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+# upstream failures that leave nothing to read; retryable while nothing was written to the client
+_UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.IncompleteReadError)
+# failures to open a connection (refused, unreachable, connect timeout), as opposed to later ones
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float
+    first_byte_s: float
+    idle_s: float
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+
+    @classmethod
+    def from_json(cls, usage: Any) -> Usage | None:
+        if not isinstance(usage, dict):
+            return None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cls(
+            prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+            cached_tokens=_int_or_none(cached),
+            completion_tokens=_int_or_none(usage.get("completion_tokens")),
+        )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass
+class Outcome:
+    """What happened to a proxied request, for metrics and the load tracker."""
+
+    replica: str | None = None
+    status: int = 0
+    usage: Usage | None = None
+    ttft_s: float | None = None
+    attempts: int = 0
+    sent_at: float | None = None  # perf_counter when the first upstream request was sent
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Attempts(Protocol):
+    """The routing side of a request: which replica to try, and what to learn from the result."""
+
+    replica: str
+
+    def failover(self) -> str | None:
+        """The current replica failed before the first byte: the next best one, or None."""
+
+    def first_token(self, ttft_s: float) -> None: ...
+
+
+def make_upstream_session(timeouts: Timeouts) -> aiohttp.ClientSession:
+    """One pooled session for every replica; per-request timeouts are set on each call."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=60)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),
+        # replicas speak identity; never pay for decompression, and pass bytes through as they are
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        auto_decompress=False,
+    )
+
+
+_nodelay_done: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
+
+
+def _nodelay(transport: asyncio.BaseTransport | None) -> None:
+    """TCP_NODELAY on a connection's socket, once per connection (a syscall is not free)."""
+    if transport is None or transport in _nodelay_done:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+    try:
+        _nodelay_done.add(transport)
+    except TypeError:  # a transport without weak references: set it every time
+        pass
+
+
+def normalize_error_body(status: int, data: bytes) -> bytes:
+    """An upstream error body in OpenAI's shape (vLLM ≤0.8 sent the fields at the top level)."""
+    try:
+        body = _decode.decode(data)
+    except msgspec.DecodeError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return data
+        if "message" in body:
+            return _encode.encode(
+                {
+                    "error": {
+                        "message": str(body.get("message")),
+                        "type": body.get("type") or "upstream_error",
+                        "param": body.get("param"),
+                        "code": body.get("code"),
+                    }
+                }
+            )
+    text = data.decode("utf-8", "replace").strip()[:2000] or f"replica answered {status}"
+    return _encode.encode({"error": {"message": text, "type": "upstream_error", "param": None, "code": None}})
+
+
+class SseRelay:
+    """Frames SSE events across chunk boundaries, reads usage, withholds the usage-only chunk."""
+
+    __slots__ = ("strip_usage", "usage", "done", "_pending")
+
+    def __init__(self, strip_usage: bool):
+        self.strip_usage = strip_usage
+        self.usage: Usage | None = None
+        self.done = False
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to send the client now: every complete event so far, minus withheld ones."""
+        data = self._pending + chunk if self._pending else chunk
+        cut = _last_event_end(data)
+        if cut == 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[:cut], data[cut:]
+        if _DONE in complete:
+            self.done = True
+        if _HAS_USAGE.search(complete) is None:
+            return complete  # the common case: forwarded untouched, nothing decoded
+        return b"".join(self._filter(ev) for ev in _split_events(complete))
+
+    def _filter(self, event: bytes) -> bytes:
+        if _HAS_USAGE.search(event) is None:
+            return event
+        payload = _event_json(event)
+        if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
+            return event
+        self.usage = Usage.from_json(payload["usage"]) or self.usage
+        if not self.strip_usage:
+            return event
+        if not payload.get("choices"):
+            return b""  # the usage-only chunk the router asked for on the client's behalf
+        payload.pop("usage")
+        return b"data: " + _encode.encode(payload) + b"\n\n"
+
+    def tail(self) -> bytes:
+        """An unterminated last event, if the stream ended without its blank line."""
+        rest, self._pending = self._pending, b""
+        if rest.strip():
+            if _DONE in rest:
+                self.done = True
+            return self._filter(rest) + b"\n\n"
+        return b""
+
+
+def _last_event_end(data: bytes) -> int:
+    """Offset just past the last complete event (0 if none): a blank line ends an event."""
+    if b"\r" not in data:  # what every engine sends: one C-speed search from the end
+        i = data.rfind(b"\n\n")
+        return i + 2 if i >= 0 else 0
+    end = 0
+    for m in _EVENT_END.finditer(data):
+        end = m.end()
+    return end
+
+
+def _split_events(data: bytes) -> list[bytes]:
+    events, start = [], 0
+    for m in _EVENT_END.finditer(data):
+        events.append(data[start : m.end()])
+        start = m.end()
+    return events
+
+
+def _event_json(event: bytes) -> Any:
+    lines = [ln[5:].lstrip() for ln in event.splitlines() if ln.startswith(b"data:")]
+    if not lines:
+        return None
+    try:
+        return _decode.decode(b"\n".join(lines))
+    except msgspec.DecodeError:
+        return None
+
+
+class Proxy:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        timeouts: Timeouts,
+        *,
+        replica_url: Callable[[str], str | None],
+        upstream_headers: Callable[[], Mapping[str, str]],
+        on_failure: Callable[[str, str], None],
+        on_success: Callable[[str], None],
+    ):
+        """``on_failure(replica, stage)`` with stage connect|first_byte|mid_stream; ``on_success(replica)``."""
+        self.session = session
+        self.timeouts = timeouts
+        self.replica_url = replica_url
+        self.upstream_headers = upstream_headers
+        self.on_failure = on_failure
+        self.on_success = on_success
+
+    def _headers(self, request_id: str) -> dict[str, str]:
+        return {**self.upstream_headers(), "Content-Type": "application/json", "X-Request-Id": request_id}
+
+    async def _send(self, replica: str, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
+        base = self.replica_url(replica)
+        if base is None:  # left the fleet between the decision and now
+            raise aiohttp.ClientConnectionError(f"replica {replica} is gone")
+        return await self.session.post(
+            base + path,
+            data=body,
+            headers=self._headers(request_id),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s, sock_read=None),
+        )
+
+    async def forward(
+        self,
+        request: web.Request,
+        attempts: Attempts,
+        path: str,
+        body: bytes,
+        *,
+        request_id: str,
+        stream: bool,
+        strip_usage: bool = False,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        """Send ``body`` to ``attempts.replica`` (then the next ones) and relay the answer."""
+        replica: str | None = attempts.replica
+        last_error: str | bytes = "no replica available"
+        last_status = 503
+        headers = {"X-Request-Id": request_id}
+        while replica is not None:
+            outcome.attempts += 1
+            outcome.replica = replica
+            sent = time.perf_counter()
+            if outcome.sent_at is None:
+                outcome.sent_at = sent
+            upstream: aiohttp.ClientResponse | None = None
+            try:
+                async with asyncio.timeout(self.timeouts.first_byte_s):
+                    upstream = await self._send(replica, path, body, request_id)
+                    if upstream.status in _RETRY_STATUSES:
+                        data = await upstream.read()
+                        upstream.release()
+                        last_status, last_error = upstream.status, normalize_error_body(upstream.status, data)
+                        log.warning("request %s: replica %s answered %d", request_id, replica, upstream.status)
+                        # a 429 is a busy replica, not a broken one: retry elsewhere, keep its breaker
+                        if upstream.status != 429:
+                            self.on_failure(replica, "first_byte")
+                        replica = attempts.failover()
+                        continue
+                    if upstream.status >= 400 or not stream:
+                        async with asyncio.timeout(self.timeouts.idle_s):
+                            data = await upstream.read()
+                        upstream.release()
+                    else:
+                        _nodelay(upstream.connection.transport if upstream.connection else None)
+                        first = await upstream.content.readany()
+                        if not first:
+                            raise aiohttp.ServerDisconnectedError("stream ended before its first event")
+            except asyncio.CancelledError:
+                if upstream is not None:
+                    upstream.close()  # the client left before the first byte: abort upstream too
+                raise
+            except _UPSTREAM_ERRORS as exc:
+                if upstream is not None:
+                    upstream.close()
+                stage = "connect" if isinstance(exc, _CONNECT_ERRORS) else "first_byte"
+                last_status = 504 if isinstance(exc, TimeoutError) else 502
+                last_error = f"replica {replica} failed before answering ({stage}): {_describe(exc)}"
+                log.warning("request %s: %s", request_id, last_error)
+                self.on_failure(replica, stage)
+                replica = attempts.failover()
+                continue
+            # committed: from here on the client gets this replica's answer
+            if upstream.status >= 400 or not stream:
+                self.on_success(replica)
+                return self._whole_response(upstream, data, headers, outcome)
+            ttft = time.perf_counter() - sent
+            outcome.ttft_s = ttft
+            attempts.first_token(ttft)
+            return await self._relay_stream(request, upstream, first, replica, headers, strip_usage, outcome)
+        outcome.status = last_status
+        if isinstance(last_error, bytes):  # the last replica's own error answer
+            return web.Response(status=last_status, body=last_error, content_type="application/json", headers=headers)
+        code = "upstream_timeout" if last_status == 504 else "upstream_unavailable"
+        raise ApiError(last_status, f"no replica could serve the request: {last_error}", code=code, headers=headers)
+
+    @staticmethod
+    def _whole_response(
+        upstream: aiohttp.ClientResponse, data: bytes, headers: dict[str, str], outcome: Outcome
+    ) -> web.Response:
+        status = upstream.status
+        outcome.status = status
+        if status >= 400:
+            body = normalize_error_body(status, data)
+            return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+        if b'"usage"' in data:
+            try:
+                payload = _decode.decode(data)
+            except msgspec.DecodeError:
+                payload = None
+            if isinstance(payload, dict):
+                outcome.usage = Usage.from_json(payload.get("usage"))
+        resp = web.Response(status=status, body=data, headers=headers)
+        resp.headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
+        return resp
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        replica: str,
+        headers: dict[str, str],
+        strip_usage: bool,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        relay = SseRelay(strip_usage)
+        resp = web.StreamResponse(status=upstream.status, headers=headers)
+        resp.content_type = "text/event-stream"
+        resp.headers["Cache-Control"] = "no-cache"
+        outcome.status = upstream.status
+        failed: str | None = None
+        try:
+            _nodelay(request.transport)
+            await resp.prepare(request)
+            chunk = first
+            idle = self.timeouts.idle_s
+            content = upstream.content
+            while chunk:
+                out = relay.feed(chunk)
+                if out:
+                    await resp.write(out)  # a client that left raises here: nothing to tell it
+                try:
+                    async with asyncio.timeout(idle):
+                        chunk = await content.readany()
+                except TimeoutError:
+                    failed = f"replica {replica} sent nothing for {idle:g} s"
+                    break
+                except _UPSTREAM_ERRORS as exc:
+                    failed = f"replica {replica} failed mid-stream: {_describe(exc)}"
+                    break
+            out = relay.tail()
+            if out:
+                await resp.write(out)
+            if failed is None and not relay.done:
+                failed = f"replica {replica} ended the stream without [DONE]"
+            if failed is None:
+                self.on_success(replica)
+            else:
+                log.warning("request %s: %s", headers.get("X-Request-Id"), failed)
+                self.on_failure(replica, "mid_stream")
+                outcome.extra["mid_stream_error"] = failed
+                await resp.write(sse_error_event(failed))
+            await resp.write_eof()
+        finally:
+            outcome.usage = relay.usage
+            if relay.done and failed is None:
+                upstream.release()
+            else:
+                upstream.close()  # aborts the request on the engine if it is still running
+        return resp
+
+    async def forward_plain(
+        self,
+        request: web.Request,
+        replicas: list[str],
+        path: str,
+        body: bytes,
+        *,
+        request_id: str,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        """Pass-through endpoints (/tokenize, /v1/embeddings ...): no routing, retry in order."""
+        return await self.forward(
+            request, _FixedOrder(replicas), path, body, request_id=request_id, stream=False, outcome=outcome
+        )
+
+
+class _FixedOrder:
+    def __init__(self, replicas: list[str]):
+        self._order = list(replicas)
+        self.replica = self._order.pop(0) if self._order else None  # type: ignore[assignment]
+
+    def failover(self) -> str | None:
+        self.replica = self._order.pop(0) if self._order else None  # type: ignore[assignment]
+        return self.replica
+
+    def first_token(self, ttft_s: float) -> None:
+        pass
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+__all__ = ["Attempts", "Outcome", "Proxy", "SseRelay", "Timeouts", "Usage", "make_upstream_session", "normalize_error_body"]

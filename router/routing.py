@@ -1,0 +1,414 @@
+"""The per-request routing pipeline.
+
+tokenize -> block chain (seed: model, LoRA adapter, cache_salt) -> index lookup -> policy over the
+eligible replicas' load states -> record the prediction and the load -> a :class:`RoutePlan` that
+the proxy follows, asking it for the next-best replica when one fails before the first byte.
+
+Tokens: the model's own tokenizer and chat template when one is configured (exact block
+hashes).  Without one the router still routes cache-aware, approximately: the prompt's UTF-8
+bytes are cut into 4-byte words used as pseudo tokens (about one real token each in English), so
+equal text prefixes still give equal chains, only the block boundaries differ from the engine's.
+A chat whose template cannot be rendered (images, a template that rejects the messages) uses the
+same approximation and lets the engine give its own verdict.
+
+Tenant isolation: the forwarded ``cache_salt`` is HMAC(secret, the client's API key), joined to any
+salt the client chose, so a tenant can neither pick another's salt nor learn it; the salt also
+seeds the chain, so the index never shares blocks across tenants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .blocks import namespace_seed, token_bytes
+from .chain_memo import ChainMemo
+from .config import RouterSettings
+from .errors import ApiError
+from .fleet import Fleet, Replica
+from .index.base import PrefixIndex
+from .load import LoadTracker
+from .metrics import RouterMetrics
+from .policy.base import Decision, Policy, RouteRequest
+from .proxy import Outcome
+from .requests import ParsedRequest, prompt_batch
+from .reuse import ReuseTracker
+from .tokens import TokenizerError, TokenizerRegistry
+
+log = logging.getLogger("kvroute.router")
+
+# policies that match prompt text rather than tokens (sglang's rule): only they get the text
+_TEXT_POLICIES = frozenset({"sglang_cache_aware"})
+# body fields of a chat request that change the rendered prompt (vLLM's ChatCompletionRequest)
+_RENDER_FIELDS = ("add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template")
+
+
+def approximate_token_bytes(text: str) -> bytes:
+    """Pseudo tokens for a model without a tokenizer: the UTF-8 bytes as little-endian uint32 words."""
+    data = text.encode("utf-8")
+    pad = -len(data) % 4
+    return data + b"\0" * pad if pad else data
+
+
+def chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    """A chat flattened to text (approximate mode, and the text-matching baselines)."""
+    parts = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "\n".join(p.get("text") or "" for p in content if isinstance(p, Mapping))
+        parts.append(f"<{m.get('role')}>{content or ''}")
+    return "\n".join(parts)
+
+
+def adapter_of(model: str, replicas: Sequence[Replica]) -> tuple[str | None, str]:
+    """(LoRA adapter, base model) of a served model name: vLLM's /v1/models gives an adapter's card
+    a ``parent`` (its base model).  The adapter gets its own chain namespace either way."""
+    for r in replicas:
+        for card in r.model_cards:
+            if card.get("id") == model:
+                parent = card.get("parent")
+                if isinstance(parent, str) and parent and parent != model:
+                    return model, parent
+                return None, model
+    return None, model
+
+
+def tenant_salt(api_key: str, secret: bytes) -> str:
+    return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def client_label(user: str | None, api_key: str | None) -> str:
+    """Who sent it, for per-client metrics: the ``user`` field, else a digest of the key (never the key)."""
+    if user:
+        return user[:64]
+    if api_key:
+        return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:10]
+    return "anonymous"
+
+
+@dataclass
+class Prompt:
+    """What routing computed from the request body."""
+
+    data: list[bytes]  # per prompt of the batch: its token ids as uint32 little-endian bytes
+    tokens: int
+    text: str
+    exact: bool  # tokenized with the model's own tokenizer
+
+
+@dataclass
+class RoutePlan:
+    """One request's route: the chosen replica, how to fail over, what to record at the end."""
+
+    router: Router
+    request_id: str
+    load_key: str
+    model: str
+    block_size: int
+    seed: int
+    prompt: Prompt
+    chains: list[list[int]]
+    route: RouteRequest
+    decision: Decision
+    additions: dict[str, Any]
+    client: str
+    replica: str
+    predicted_blocks: int = 0  # what the policy believed the replica finally used held
+    tried: list[str] = field(default_factory=list)
+    pending_writes: list[asyncio.Task[None]] = field(default_factory=list)
+    finished: bool = False
+
+    def failover(self) -> str | None:
+        return self.router._failover(self)
+
+    def first_token(self, ttft_s: float) -> None:
+        self.router._first_token(self, ttft_s)
+
+    async def finish(self, outcome: Outcome) -> None:
+        await self.router._finish(self, outcome)
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        fleet: Fleet,
+        index: PrefixIndex,
+        load: LoadTracker,
+        policy: Policy,
+        tokenizers: TokenizerRegistry,
+        reuse: ReuseTracker,
+        metrics: RouterMetrics,
+    ):
+        self.settings = settings
+        self.fleet = fleet
+        self.index = index
+        self.load = load
+        self.policy = policy
+        self.tokenizers = tokenizers
+        self.reuse = reuse
+        self.metrics = metrics
+        self._ids = itertools.count()
+        self.chains = ChainMemo()
+        self._explicit_tokenizers = set(tokenizers.models())
+        self._salt_key = (
+            settings.tenant_salt_secret.get_secret_value().encode() if settings.tenant_salt_secret else b"kvroute-tenant"
+        )
+        self._approx_warned: set[str] = set()
+        self._reports_cached: set[str] = set()  # replicas known to fill usage.prompt_tokens_details
+
+    # -- the pipeline -----------------------------------------------------------------------
+    async def plan(
+        self, parsed: ParsedRequest, *, request_id: str, session_header: str | None, api_key: str | None
+    ) -> RoutePlan:
+        req = parsed.request
+        model = req.model
+        replicas = self.eligible(model)
+        lora, base = adapter_of(model, replicas)
+
+        additions: dict[str, Any] = {}
+        salt = req.cache_salt
+        session_key = session_header or req.user
+        if self.settings.tenant_isolation:
+            tenant = tenant_salt(api_key or "", self._salt_key)
+            salt = f"{tenant}.{salt}" if salt else tenant
+            additions["cache_salt"] = salt
+            if session_key:
+                session_key = f"{tenant}.{session_key}"
+        if parsed.stream and not parsed.client_wants_usage:
+            additions["stream_options"] = {**(parsed.body.get("stream_options") or {}), "include_usage": True}
+
+        prompt = await self._tokenize(parsed, model, base)
+        limit = self.settings.max_prompt_tokens
+        if limit is not None and prompt.tokens > limit:
+            raise ApiError(
+                400,
+                f"prompt is {prompt.tokens} tokens long, more than this router's limit of {limit}",
+                param="messages" if parsed.kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        block_size = self.fleet.block_size(model)
+        seed = namespace_seed(base, lora, salt)
+        chains = [self.chains.chain(data, block_size, seed) for data in prompt.data]
+        matches = await self._lookup(chains[0])
+        route = RouteRequest(
+            chain=chains[0],
+            prompt_tokens=prompt.tokens,
+            block_size=block_size,
+            matches=matches,
+            session_key=session_key,
+            text=prompt.text,
+            now=time.monotonic(),
+        )
+        decision = self._choose(route, replicas)
+        plan = RoutePlan(
+            router=self,
+            request_id=request_id,
+            load_key=f"{request_id}#{next(self._ids)}",  # client ids may repeat; load keys must not
+            model=model,
+            block_size=block_size,
+            seed=seed,
+            prompt=prompt,
+            chains=chains,
+            route=route,
+            decision=decision,
+            additions=additions,
+            client=client_label(req.user, api_key),
+            replica=decision.replica,
+        )
+        self._routed(plan, decision, decision.reason)
+        return plan
+
+    def eligible(self, model: str) -> list[Replica]:
+        """Replicas that may take a request for ``model``; 404 if none serves it, 503 if none is up."""
+        replicas = self.fleet.eligible(model)
+        if replicas:
+            return replicas
+        if any(model in r.models for r in self.fleet.replicas()):
+            raise ApiError(
+                503,
+                f"no healthy replica is serving model {model!r} right now",
+                code="no_replica_available",
+                headers={"Retry-After": str(max(1, self.settings.retry_after_s))},
+            )
+        raise ApiError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+
+    async def _tokenize(self, parsed: ParsedRequest, model: str, base: str) -> Prompt:
+        body = parsed.body
+        # an adapter without a tokenizer of its own uses its base model's (else the default one)
+        tok = self.tokenizers.get(model if model in self._explicit_tokenizers else base)
+        want_text = self.policy.name in _TEXT_POLICIES
+        if parsed.kind == "chat":
+            messages = body["messages"]
+            if tok is not None:
+                try:
+                    kwargs = {k: body[k] for k in _RENDER_FIELDS if k in body}
+                    extra = body.get("chat_template_kwargs")
+                    if isinstance(extra, Mapping):
+                        kwargs.update(extra)
+                    text = tok.render_chat(messages, **kwargs)
+                    ids = await tok.aencode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+                    return Prompt([token_bytes(ids)], len(ids), text if want_text else "", exact=True)
+                except (TokenizerError, TypeError, ValueError) as exc:
+                    log.debug("model %s: chat not rendered (%s); hashing its text instead", model, exc)
+            self._warn_approximate(model, tok)
+            text = chat_text(messages)
+            data = approximate_token_bytes(text)
+            return Prompt([data], len(data) // 4, text if want_text else "", exact=False)
+
+        prompts = prompt_batch(body["prompt"])
+        out: list[bytes] = []
+        texts: list[str] = []
+        exact = True
+        add_special = bool(body.get("add_special_tokens", True))
+        for p in prompts:
+            if isinstance(p, list):
+                out.append(token_bytes(p))  # token ids: exact whatever the tokenizer
+                continue
+            texts.append(p)
+            if tok is not None:
+                try:
+                    out.append(token_bytes(await tok.aencode(p, add_special_tokens=add_special)))
+                    continue
+                except (TokenizerError, TypeError, ValueError) as exc:
+                    log.debug("model %s: prompt not tokenized (%s); hashing its text instead", model, exc)
+            self._warn_approximate(model, tok)
+            out.append(approximate_token_bytes(p))
+            exact = False
+        return Prompt(out, sum(len(data) for data in out) // 4, "\n".join(texts) if want_text else "", exact)
+
+    def _warn_approximate(self, model: str, tok: object) -> None:
+        if tok is None and model not in self._approx_warned:
+            self._approx_warned.add(model)
+            log.warning("no tokenizer configured for model %s: routing on approximate (byte) blocks", model)
+
+    async def _lookup(self, chain: list[int]) -> dict[str, int]:
+        if not chain:
+            return {}
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.settings.index_timeout_s):
+                matches = await self.index.lookup(chain)
+        except Exception as exc:  # noqa: BLE001 - an index outage degrades routing, never a request
+            self.metrics.index_errors.labels("lookup").inc()
+            log.warning("index lookup failed, routing without it: %r", exc)
+            return {}
+        self.metrics.lookup_latency.observe(time.perf_counter() - started)
+        return matches
+
+    def _choose(self, route: RouteRequest, replicas: list[Replica]) -> Decision:
+        states = [self.load.state(r.name) for r in replicas]
+        decision = self.policy.choose(route, states)
+        self.policy.on_routed(route, decision)
+        return decision
+
+    def _routed(self, plan: RoutePlan, decision: Decision, reason: str) -> None:
+        """Book the request on the decision's replica: load, predictions, decision metric."""
+        replica = plan.replica = decision.replica
+        plan.predicted_blocks = decision.matched_blocks
+        uncached = max(0, plan.prompt.tokens - decision.matched_blocks * plan.block_size)
+        self.load.on_routed(plan.load_key, replica, uncached)
+        self.metrics.decision(reason)
+        for chain in plan.chains:
+            if chain:
+                self._write(plan, self.index.record_prediction(replica, chain))
+
+    def _write(self, plan: RoutePlan, call: Awaitable[None]) -> None:
+        """Index writes overlap the upstream request; the plan awaits them before it finishes."""
+        task = asyncio.ensure_future(self._timed_write(call))
+        plan.pending_writes.append(task)
+
+    async def _timed_write(self, call: Awaitable[None]) -> None:
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.settings.index_timeout_s * 5):
+                await call
+        except Exception as exc:  # noqa: BLE001 - see _lookup
+            self.metrics.index_errors.labels("record_prediction").inc()
+            log.warning("index write failed: %r", exc)
+            return
+        self.metrics.record_latency.observe(time.perf_counter() - started)
+
+    # -- during and after the request -------------------------------------------------------
+    def _failover(self, plan: RoutePlan) -> str | None:
+        plan.tried.append(plan.replica)
+        self.load.on_finished(plan.load_key)
+        if len(plan.tried) > self.settings.retry_attempts:
+            return None
+        replicas = [r for r in self.fleet.eligible(plan.model) if r.name not in plan.tried]
+        if not replicas:
+            return None
+        decision = self._choose(plan.route, replicas)
+        self._routed(plan, decision, "failover")
+        return decision.replica
+
+    def _first_token(self, plan: RoutePlan, ttft_s: float) -> None:
+        seen = self.load.on_first_token(plan.load_key, ttft_s)
+        if seen is not None:
+            replica, uncached = seen
+            self.policy.on_first_token(replica, uncached, ttft_s)
+        self.metrics.model(plan.model).ttft.observe(ttft_s)
+
+    async def _finish(self, plan: RoutePlan, outcome: Outcome) -> None:
+        if plan.finished:
+            return
+        plan.finished = True
+        self.load.on_finished(plan.load_key)
+        self.metrics.requests.labels(plan.model, outcome.replica or plan.replica, str(outcome.status)).inc()
+        if 200 <= outcome.status < 300:
+            # CPU work the client need not wait for: it runs once the answer has been written
+            asyncio.get_running_loop().call_soon(self._account, plan, outcome)
+        if plan.pending_writes:
+            # already done in practice (they overlapped the upstream request); awaiting them means a
+            # client's next request finds this one's prediction, on any router sharing the index
+            await asyncio.gather(*plan.pending_writes, return_exceptions=True)
+
+    def _account(self, plan: RoutePlan, outcome: Outcome) -> None:
+        """The hit-rate breakdown, for answered requests only: the figures share one denominator."""
+        m = self.metrics.model(plan.model)
+        m.prompt_tokens.inc(plan.prompt.tokens)
+        m.reuse_available.inc(self._observe_reuse(plan) * plan.block_size)
+        m.reuse_predicted.inc(plan.predicted_blocks * plan.block_size)
+        cached = self._cached_tokens(outcome)
+        if cached is not None:
+            m.reuse_delivered.inc(cached)
+            m.reuse_measured_prompt.inc(plan.prompt.tokens)
+
+    def _cached_tokens(self, outcome: Outcome) -> int | None:
+        """Cached prompt tokens the engine reported, or None if it does not report them.
+
+        vLLM leaves ``prompt_tokens_details`` null when nothing was cached, and also when
+        ``--enable-prompt-tokens-details`` is off; a replica that has reported details once has
+        the flag on, so from then on its null means zero.
+        """
+        usage, replica = outcome.usage, outcome.replica
+        if usage is None or replica is None:
+            return None
+        if usage.cached_tokens is not None:
+            self._reports_cached.add(replica)
+            return usage.cached_tokens
+        return 0 if replica in self._reports_cached else None
+
+    def _observe_reuse(self, plan: RoutePlan) -> int:
+        """Available blocks over the batch; flags a cache-hostile prompt."""
+        available = 0
+        hostile = False
+        for chain, data in zip(plan.chains, plan.prompt.data):
+            ids = np.frombuffer(data, dtype="<u4")
+            seen = self.reuse.observe(plan.model, chain, ids, plan.block_size, plan.seed)
+            available += seen.available_blocks
+            hostile = hostile or seen.cache_hostile
+        if hostile:
+            self.metrics.hostile(plan.client)
+        return available

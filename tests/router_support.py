@@ -1,0 +1,135 @@
+"""Helpers of the router tests: real emulated replicas (in this process or a killable child
+process), a router in front of them, and a Prometheus scrape parser."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from replica.emulated.server import EmulatedReplica, ReplicaConfig
+from router.app import RouterApp
+from router.config import RouterSettings
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_TOKENIZER = str(REPO / "tests" / "assets" / "tiny-tokenizer")
+MODEL = "tiny"
+
+
+@contextlib.asynccontextmanager
+async def emulated_replicas(
+    n: int, *, model: str = MODEL, time_scale: float = 0.0, **config: Any
+) -> AsyncIterator[list[EmulatedReplica]]:
+    """``n`` emulated replicas on loopback; ``time_scale`` 0 answers at once."""
+    reps = [EmulatedReplica(ReplicaConfig(model=model, time_scale=time_scale, **config)) for _ in range(n)]
+    started: list[EmulatedReplica] = []
+    try:
+        for r in reps:
+            await r.start()
+            started.append(r)
+        yield reps
+    finally:
+        for r in started:
+            await r.stop()
+
+
+def router_settings(replica_urls: list[str], **overrides: Any) -> RouterSettings:
+    fleet = {"health_interval_s": 30.0, "metrics_interval_s": 30.0, **overrides.pop("fleet", {})}
+    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "replicas": replica_urls, "tokenizer": TINY_TOKENIZER}
+    values.update(overrides)
+    return RouterSettings(fleet=fleet, **values)
+
+
+_clients: dict[int, list[openai.AsyncOpenAI]] = {}
+
+
+@contextlib.asynccontextmanager
+async def running_router(replica_urls: list[str], **overrides: Any) -> AsyncIterator[RouterApp]:
+    app = RouterApp(router_settings(replica_urls, **overrides))
+    await app.start()
+    try:
+        yield app
+    finally:
+        for client in _clients.pop(id(app), []):
+            await client.close()
+        await app.stop()
+
+
+def openai_client(app: RouterApp, api_key: str = "unused") -> openai.AsyncOpenAI:
+    """The official client against ``app``, closed when the router stops."""
+    client = openai.AsyncOpenAI(base_url=app.url + "/v1", api_key=api_key, max_retries=0)
+    _clients.setdefault(id(app), []).append(client)
+    return client
+
+
+_CHILD = """
+import asyncio, sys
+from replica.emulated.server import EmulatedReplica, ReplicaConfig
+
+async def main():
+    rep = EmulatedReplica(ReplicaConfig(model=sys.argv[1], time_scale=float(sys.argv[2])))
+    await rep.start()
+    print(rep.url, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+class ReplicaProcess:
+    """An emulated replica in a child process, so a test can SIGKILL it like a crashed engine."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str):
+        self.proc = proc
+        self.url = url
+
+    @classmethod
+    async def start(cls, *, model: str = MODEL, time_scale: float = 0.0) -> ReplicaProcess:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _CHILD, model, str(time_scale), stdout=asyncio.subprocess.PIPE, cwd=str(REPO)
+        )
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        except BaseException:
+            proc.kill()
+            await proc.wait()
+            raise
+        url = line.decode().strip()
+        assert url.startswith("http://"), f"replica process did not start: {line!r}"
+        return cls(proc, url)
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of ``url``/metrics, keyed by (name, sorted labels)."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    """One sample's value; KeyError if the series does not exist (a missing series is a bug)."""
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    """Sum over the series of ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))

