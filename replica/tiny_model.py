@@ -23,8 +23,14 @@ committed copy under ``tests/assets/tiny-tokenizer/`` can always be regenerated 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import random
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -352,6 +358,46 @@ def build_model(
     (out / "generation_config.json").write_text(json.dumps(generation_config(), indent=2, sort_keys=True) + "\n")
     # "format": "pt" is what loaders check to accept a safetensors file as PyTorch weights.
     save_file(random_weights(shape, vocab, model_seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def model_cache_dir(root: str | Path | None = None) -> Path:
+    """Where ``ensure_model`` keeps the built model: named after this file's content, so a
+    change to the model's definition builds a fresh copy instead of serving a stale one."""
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    base = Path(root) if root is not None else Path.home() / ".cache" / "kvroute"
+    return base / f"tiny-model-{digest}"
+
+
+def ensure_model(out_dir: str | Path | None = None, python: str | None = None) -> Path:
+    """The tiny model's directory, built first if any file is missing.
+
+    ``python`` is an interpreter with ``safetensors`` (the vLLM environment's): the build runs
+    there as a subprocess, so callers in an environment without it (the router's) work too.
+    The build goes to a temporary sibling renamed into place: concurrent callers never see a
+    half-written checkpoint.
+    """
+    out = Path(out_dir) if out_dir is not None else model_cache_dir()
+    if all((out / name).is_file() for name in MODEL_FILES):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    repo_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
+    try:
+        subprocess.run([python or sys.executable, "-m", "replica.tiny_model", "--out", str(tmp), "--model"],
+                       check=True, env=env, stdout=subprocess.DEVNULL)
+        try:
+            tmp.rename(out)
+        except OSError:  # another caller won the race (or out exists half-built): keep theirs
+            if not all((out / name).is_file() for name in MODEL_FILES):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
