@@ -228,7 +228,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: int) -> dict[str, dict[str, float]]:
     """Microseconds per stage of the routing pipeline, in this process, for both prompts."""
-    from router.blocks import namespace_seed, token_bytes
+    from router.blocks import namespace_seed
     from router.chain_memo import ChainMemo
     from router.index.base import ReplicaSpec
     from router.index.memory import MemoryIndex
@@ -257,14 +257,13 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
             t1 = time.perf_counter()
             text = tok.render_chat(msgs)
             t2 = time.perf_counter()
-            ids = await tok.aencode(text)
+            data = await tok.aencode_bytes(text)  # the token ids as the bytes hashing reads, as the router does
             t3 = time.perf_counter()
-            data = token_bytes(ids)
             chain = memo.chain(data, 16, seed)
             t4 = time.perf_counter()
             matches = await index.lookup(chain)
             t5 = time.perf_counter()
-            req = RouteRequest(chain=chain, prompt_tokens=len(ids), block_size=16, matches=matches)
+            req = RouteRequest(chain=chain, prompt_tokens=len(data) // 4, block_size=16, matches=matches)
             decision = policy.choose(req, [load.state(name) for name in names])
             t6 = time.perf_counter()
             await index.record_prediction(decision.replica, chain)
@@ -280,7 +279,7 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
                     times[key] += b - a
         out[case] = {k: v / n * 1e6 for k, v in times.items()}
         out[case]["total"] = sum(out[case].values())
-        out[case]["tokens"] = float(len(ids))
+        out[case]["tokens"] = float(len(data) // 4)
     return out
 
 

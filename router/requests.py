@@ -72,6 +72,31 @@ class ChatRequest(_CommonRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
 
 
+class PlainChatRequest(_CommonRequest):
+    """A chat whose messages ``_plain_messages`` accepted: pydantic checks only the other fields.
+
+    Building a model per message is most of the validation cost of a long conversation, and
+    nearly every chat is plain text; anything else goes through :class:`ChatRequest`, so the
+    errors are its errors.
+    """
+
+    messages: list[Any]
+
+
+def _plain_messages(messages: Any) -> bool:
+    """True for a non-empty list of objects with a non-empty string role and string or null
+    content: what :class:`ChatMessage` accepts, checked without building models."""
+    if type(messages) is not list or not messages:
+        return False
+    for message in messages:
+        if type(message) is not dict:
+            return False
+        role, content = message.get("role"), message.get("content")
+        if type(role) is not str or not role or (content is not None and type(content) is not str):
+            return False
+    return True
+
+
 Kind = Literal["completion", "chat"]
 _MODELS: dict[Kind, type[_CommonRequest]] = {"completion": CompletionRequest, "chat": ChatRequest}
 _decode = msgspec.json.Decoder()
@@ -83,7 +108,7 @@ class ParsedRequest:
     kind: Kind
     raw: bytes  # the client's bytes, forwarded as they are when nothing is added
     body: dict[str, Any]  # the client's JSON, never mutated
-    request: CompletionRequest | ChatRequest
+    request: CompletionRequest | ChatRequest | PlainChatRequest
 
     @property
     def stream(self) -> bool:
@@ -158,8 +183,9 @@ def validation_error(exc: ValidationError, body: Any) -> ApiError:
 
 def parse_request(kind: Kind, raw: bytes) -> ParsedRequest:
     body = decode_json_object(raw)
+    model = PlainChatRequest if kind == "chat" and _plain_messages(body.get("messages")) else _MODELS[kind]
     try:
-        request = _MODELS[kind].model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc, body) from None
     return ParsedRequest(kind=kind, raw=raw, body=body, request=request)  # type: ignore[arg-type]

@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import takewhile
 
 import numpy as np
 
@@ -98,7 +97,8 @@ class _LruSet:
             items.popitem(last=False)
 
     def leading_run(self, keys: Sequence[int]) -> int:
-        return sum(1 for _ in takewhile(self.items.__contains__, keys))
+        found = list(map(self.items.__contains__, keys))  # a C loop, then a C search
+        return found.index(False) if False in found else len(found)
 
     def count_in(self, keys: Sequence[int]) -> int:
         return sum(map(self.items.__contains__, keys))

@@ -258,8 +258,8 @@ class Router:
                     if isinstance(extra, Mapping):
                         kwargs.update(extra)
                     text = tok.render_chat(messages, **kwargs)
-                    ids = await tok.aencode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
-                    return Prompt([token_bytes(ids)], len(ids), text if want_text else "", exact=True)
+                    data = await tok.aencode_bytes(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+                    return Prompt([data], len(data) // 4, text if want_text else "", exact=True)
                 except (TokenizerError, TypeError, ValueError) as exc:
                     log.debug("model %s: chat not rendered (%s); hashing its text instead", model, exc)
             self._warn_approximate(model, tok)
@@ -279,7 +279,7 @@ class Router:
             texts.append(p)
             if tok is not None:
                 try:
-                    out.append(token_bytes(await tok.aencode(p, add_special_tokens=add_special)))
+                    out.append(await tok.aencode_bytes(p, add_special_tokens=add_special))
                     continue
                 except (TokenizerError, TypeError, ValueError) as exc:
                     log.debug("model %s: prompt not tokenized (%s); hashing its text instead", model, exc)

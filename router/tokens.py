@@ -26,11 +26,13 @@ equality with hypothesis on random chats and texts.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 import logging
 import os
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,6 +52,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.processors import TemplateProcessing
 
+from .blocks import token_bytes
+
 log = logging.getLogger(__name__)
 
 ContentFormat = Literal["auto", "string", "openai"]
@@ -63,6 +67,16 @@ DEFAULT_INLINE_MAX_CHARS = 512
 # Rust's `char::is_whitespace` / regex `\s` (Unicode White_Space), which tokenizers uses for the
 # lstrip/rstrip of added tokens.  Python's str.isspace() differs (it also counts \x1c-\x1f).
 _UNICODE_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+
+# Segments' ids are kept as uint32 arrays where the machine's native layout is little-endian
+# uint32: a prompt's token bytes (what block hashing reads) are then one C join of the cached
+# arrays, instead of a list of thousands of ints built and converted on every request.
+_U32_NATIVE = array.array("I").itemsize == 4 and sys.byteorder == "little"
+
+
+def _ids_array(ids: Iterable[int]) -> Sequence[int]:
+    return array.array("I", ids) if _U32_NATIVE else tuple(ids)
+
 
 # Text parts of a message's content that vLLM flattens into a string (vLLM's TEXT_PART_TYPES).
 _TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
@@ -118,7 +132,7 @@ class SegmentCache:
         self.max_entries = max_entries
         # A segment larger than this is not cached: it would flush most of the cache for one entry.
         self.max_segment_chars = max_chars // 4
-        self._data: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._data: OrderedDict[str, Sequence[int]] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
         self._stats = CacheStats()
@@ -137,10 +151,10 @@ class SegmentCache:
         with self._lock:
             return CacheStats(self._stats.hits, self._stats.misses, self._stats.evictions, len(self._data), self._chars)
 
-    def lookup(self, segments: Sequence[str]) -> list[tuple[int, ...] | None]:
+    def lookup(self, segments: Sequence[str]) -> list[Sequence[int] | None]:
         """The cached ids of each segment (None where absent); hits become most recently used."""
         data = self._data
-        out: list[tuple[int, ...] | None] = []
+        out: list[Sequence[int] | None] = []
         hits = 0
         with self._lock:
             for seg in segments:
@@ -163,7 +177,7 @@ class SegmentCache:
                 old = data.pop(seg, None)
                 if old is not None:
                     self._chars -= size
-                data[seg] = tuple(ids)
+                data[seg] = _ids_array(ids)
                 self._chars += size
             while data and (self._chars > self.max_chars or len(data) > self.max_entries):
                 seg, _ = data.popitem(last=False)
@@ -518,6 +532,7 @@ class Tokenizer:
         added = {t.content: t for t in backend.get_added_tokens_decoder().values() if not t.normalized}
         self._splitter = _Splitter(added)
         self._token_ids = {c: backend.token_to_id(c) for c in added}
+        self._token_arrays = {c: _ids_array((i,)) for c, i in self._token_ids.items()}
         reason = _unsafe_to_split(json.loads(backend.to_str()), added.values(), split_special)
         if reason is None:
             reason = self._self_check(list(added))
@@ -682,16 +697,16 @@ class Tokenizer:
     # ---------------------------------------------------------------- encoding
 
     def _plan(self, text: str) -> tuple[list[Any], list[str]]:
-        """Split ``text``; return its parts (ids tuples, or a segment string still to encode) and
+        """Split ``text``; return its parts (ids arrays, or a segment string still to encode) and
         the distinct new segments."""
         pieces = self._splitter.split(text)
         cached = iter(self.cache.lookup([seg for seg in pieces[0::2] if seg]))
         parts: list[Any] = []
         missing: dict[str, None] = {}  # ordered set
-        ids_of = self._token_ids
+        ids_of = self._token_arrays
         for i, piece in enumerate(pieces):
             if i % 2:
-                parts.append((ids_of[piece],))
+                parts.append(ids_of[piece])
             elif piece:
                 ids = next(cached)
                 if ids is None:
@@ -749,13 +764,31 @@ class Tokenizer:
         if add_special_tokens and self._prefix is None:
             return await self._in_pool(lambda: self._backend.encode_batch([text], add_special_tokens=True)[0].ids)
         parts, missing = self._plan(text)
-        encoded: list[list[int]] = []
-        if missing:
-            if sum(map(len, missing)) <= self.inline_max_chars:
-                encoded = self._encode_new(missing)
-            else:
-                encoded = await self._in_pool(lambda: self._encode_new(missing))
+        encoded = await self._aencode_new(missing)
         return self._wrap(self._assemble(parts, missing, encoded), add_special_tokens)
+
+    async def aencode_bytes(self, text: str, *, add_special_tokens: bool = False) -> bytes:
+        """``aencode``'s ids as uint32 little-endian bytes (what block hashing reads), joined in C
+        from the cached segments' arrays: no list of ints is built nor converted."""
+        if not _U32_NATIVE or (add_special_tokens and self._prefix is None):
+            return token_bytes(await self.aencode(text, add_special_tokens=add_special_tokens))
+        parts, missing = self._plan(text)
+        encoded = [_ids_array(ids) for ids in await self._aencode_new(missing)]
+        if missing:
+            self.cache.store(missing, encoded)
+        new = dict(zip(missing, encoded))
+        pieces = [new[part] if isinstance(part, str) else part for part in parts]
+        if add_special_tokens:
+            pieces = [_ids_array(self._prefix or ()), *pieces, _ids_array(self._suffix or ())]
+        return b"".join(pieces)
+
+    async def _aencode_new(self, missing: list[str]) -> list[list[int]]:
+        """New segments' ids: on this thread when short, else on the pool (the loop stays free)."""
+        if not missing:
+            return []
+        if sum(map(len, missing)) <= self.inline_max_chars:
+            return self._encode_new(missing)
+        return await self._in_pool(lambda: self._encode_new(missing))
 
     async def aencode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return await self.aencode(text, add_special_tokens=add_special_tokens)

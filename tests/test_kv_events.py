@@ -146,6 +146,23 @@ async def following(index: PrefixIndex, endpoint: str, replay_endpoint: str | No
         await sub.stop()
 
 
+async def until_live(sub: KVEventSubscriber, pub: Any, name: str = NAME) -> None:
+    """Publish empty batches until one arrives live.
+
+    A SUB's subscription reaches the PUB a moment after it connects (ZMQ's slow joiner), so a
+    batch published right after the first-contact replay may be dropped; if it was the last one
+    a test publishes, nothing would reveal the gap and the test would wait in vain.  Probes lost
+    this way are gaps the replay fills: tests compare gap and replay counts against the state
+    after this call.
+    """
+    for _ in range(200):
+        seq = pub.publish([])
+        with contextlib.suppress(TimeoutError):
+            await sub.wait_applied(name, seq, 0.05)
+            return
+    raise AssertionError("no probe batch reached the subscriber")
+
+
 async def new_index(capacity: int = 1000, name: str = NAME) -> MemoryIndex:
     index = MemoryIndex()
     await index.add_replica(ReplicaSpec(name, capacity, publishes_events=True))
@@ -336,19 +353,22 @@ async def test_a_gap_is_filled_by_replay():
     index = await new_index()
     try:
         async with following(index, pub.endpoint, pub.replay_endpoint) as sub:
+            await until_live(sub, pub)
+            before = sub.status(NAME)
+            gaps0, replays0 = before.gaps, before.replays
             ids = tokens(1000, 3)
             chain = router_chain(ids)
-            pub.publish([stored([501], None, ids[:BS])])
-            await sub.wait_applied(NAME, 0, WAIT_S)
-            pub.publish_lost([stored([502], 501, ids[BS:2 * BS])])  # seq 1 never reaches the socket
-            pub.publish([stored([503], 502, ids[2 * BS:])])  # seq 2: its parent is in the lost batch
-            await sub.wait_applied(NAME, 2, WAIT_S)
+            seq = pub.publish([stored([501], None, ids[:BS])])
+            await sub.wait_applied(NAME, seq, WAIT_S)
+            pub.publish_lost([stored([502], 501, ids[BS:2 * BS])])  # never reaches the socket
+            seq = pub.publish([stored([503], 502, ids[2 * BS:])])  # its parent is in the lost batch
+            await sub.wait_applied(NAME, seq, WAIT_S)
 
             assert await index.lookup(chain) == {NAME: 3}
             status = sub.status(NAME)
-            assert status.gaps == 1 and status.replays == 2 and status.restarts == 0
-            assert sample(sub, "kvroute_kv_event_gaps_total", replica=NAME) == 1
-            assert sample(sub, "kvroute_kv_event_replays_total", replica=NAME) == 2
+            assert status.gaps == gaps0 + 1 and status.replays == replays0 + 1 and status.restarts == 0
+            assert sample(sub, "kvroute_kv_event_gaps_total", replica=NAME) == gaps0 + 1
+            assert sample(sub, "kvroute_kv_event_replays_total", replica=NAME) == replays0 + 1
             assert sample(sub, "kvroute_kv_events_skipped_total", reason="unknown_parent") == 0
     finally:
         await pub.close()
@@ -518,6 +538,7 @@ async def test_legacy_and_map_batches_end_to_end():
     index = await new_index()
     try:
         async with following(index, pub.endpoint, pub.replay_endpoint) as sub:
+            await until_live(sub, pub)
             legacy_ids, map_ids = tokens(100, 2), tokens(200, 2)
             pub.publish([OldBlockStored([61, 62], None, legacy_ids, BS, None, "GPU")])  # positional events
             seq = pub.publish_payload(msgspec.msgpack.encode({
@@ -678,6 +699,8 @@ async def test_an_index_outage_is_resynced_from_the_replay_buffer():
         kept, evicted, added = tokens(1, 2), tokens(3000, 2), tokens(6000, 2)
         try:
             async with following(index, pub.endpoint, pub.replay_endpoint) as sub:
+                await until_live(sub, pub)
+                replays0 = sub.status(NAME).replays
                 pub.publish([stored([1, 2], None, kept)])
                 seq = pub.publish([stored([3, 4], None, evicted)])
                 await sub.wait_applied(NAME, seq, WAIT_S)
@@ -693,7 +716,7 @@ async def test_an_index_outage_is_resynced_from_the_replay_buffer():
                 assert await index.lookup(router_chain(evicted)) == {}
                 assert await index.lookup(router_chain(added)) == {NAME: 2}
                 assert sample(sub, "kvroute_kv_events_skipped_total", reason="index_unavailable") >= 1
-                assert sub.status(NAME).replays == 2  # first contact, then the resync
+                assert sub.status(NAME).replays == replays0 + 1  # the resync
         finally:
             await pub.close()
             await client.aclose()

@@ -449,3 +449,23 @@ def test_registry_maps_models_to_tokenizers(tmp_path):
     assert with_default["anything"].encode("hi") == registry["tiny"].encode("hi")
     with pytest.raises(TokenizerNotFoundError, match="does not exist"):
         TokenizerRegistry.from_config({"tiny": tmp_path / "missing"})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["Hello", " world", "<|im_start|>", "<|im_end|>", "\n", "  ", "é漢", "user"]), max_size=30),
+       st.booleans())
+def test_aencode_bytes_equals_the_bytes_of_aencode(pieces, special):
+    """The router hashes the bytes form; it must be exactly the ids of the list form."""
+    from router.blocks import token_bytes
+
+    tokenizer = Tokenizer.from_dir(ASSET)
+    text = "".join(pieces)
+
+    async def both() -> tuple[bytes, list[int]]:
+        first = await tokenizer.aencode_bytes(text, add_special_tokens=special)
+        again = await tokenizer.aencode_bytes(text, add_special_tokens=special)  # from the cache
+        assert first == again
+        return first, await tokenizer.aencode(text, add_special_tokens=special)
+
+    data, ids = asyncio.run(both())
+    assert data == token_bytes(ids)

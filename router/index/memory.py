@@ -1,4 +1,11 @@
-"""In-memory prefix index, for a single router (and the simulator, on a virtual clock)."""
+"""In-memory prefix index, for a single router (and the simulator, on a virtual clock).
+
+Each replica keeps one ordered map, block hash -> expiry, least recently used first: it is the
+LRU and the entry store at once, so a write touches one dict per block, and a lookup reads a
+replica's whole run with ``map(entries.get, chain)`` (a C loop) and finds where it ends with list
+methods, also C, instead of walking the chain block by block in Python.  Fleets have a handful to
+a few hundred replicas, and each one not holding the chain's head costs one ``get``.
+"""
 
 from __future__ import annotations
 
@@ -15,19 +22,36 @@ PINNED = math.inf  # predicted, on a replica without KV events
 
 
 class _Replica:
-    __slots__ = ("spec", "lru", "expiries")
+    __slots__ = ("spec", "entries", "expiries")
 
     def __init__(self, spec: ReplicaSpec):
         self.spec = spec
-        self.lru: OrderedDict[int, None] = OrderedDict()  # block hash, least recent first
+        self.entries: OrderedDict[int, float] = OrderedDict()  # block hash -> expiry, least recent first
         self.expiries: deque[tuple[float, int]] = deque()  # (expiry, hash) of TTL predictions
+
+
+def _live(expiry: float, now: float) -> bool:
+    return expiry == CONFIRMED or expiry > now
+
+
+def _live_run(expiries: list[float | None], now: float) -> int:
+    """Length of the leading run of live entries (None: the block is not held); the first is live."""
+    try:
+        held = expiries.index(None)
+        expiries = expiries[:held]
+    except ValueError:
+        held = len(expiries)
+    if expiries.count(expiries[0]) == held:
+        return held  # all one value (pinned, confirmed, or one prediction), and the head is live
+    # one write gives a whole chain the same expiry, so there are few distinct values to check
+    dead = [e for e in set(expiries) if not _live(e, now)]  # type: ignore[arg-type]
+    return min(map(expiries.index, dead)) if dead else held
 
 
 class MemoryIndex(PrefixIndex):
     def __init__(self, predicted_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self.predicted_ttl_s = predicted_ttl_s
         self.clock = clock
-        self._blocks: dict[int, dict[str, float]] = {}  # hash -> replica -> expiry
         self._replicas: dict[str, _Replica] = {}
 
     # -- replicas -------------------------------------------------------------------------
@@ -41,61 +65,41 @@ class MemoryIndex(PrefixIndex):
         self._evict_over_capacity(rep)
 
     async def remove_replica(self, name: str) -> None:
-        await self.clear_replica(name)
         self._replicas.pop(name, None)
 
     async def clear_replica(self, name: str) -> None:
         rep = self._replicas.get(name)
         if rep is None:
             return
-        for h in rep.lru:
-            self._drop(h, name)
-        rep.lru.clear()
+        rep.entries.clear()
         rep.expiries.clear()
 
     async def drop_confirmed(self, name: str) -> None:
         rep = self._replicas.get(name)
         if rep is None:
             return
-        gone = [h for h in rep.lru if self._blocks.get(h, {}).get(name) == CONFIRMED]
-        for h in gone:
-            del rep.lru[h]
-            self._drop(h, name)
+        entries = rep.entries
+        for h in [h for h, expiry in entries.items() if expiry == CONFIRMED]:
+            del entries[h]
 
     async def entry_count(self, name: str) -> int:
         rep = self._replicas.get(name)
         if rep is None:
             return 0
         self._expire(rep, self.clock())
-        return len(rep.lru)
+        return len(rep.entries)
 
     # -- lookups --------------------------------------------------------------------------
     async def lookup(self, chain: Sequence[int]) -> dict[str, int]:
+        if not chain:
+            return {}
         now = self.clock()
-        blocks = self._blocks
+        head = chain[0]
         matched: dict[str, int] = {}
-        alive: list[str] = []
-        for depth, h in enumerate(chain):
-            holders = blocks.get(h)
-            if holders is None:
-                break
-            if depth == 0:
-                alive = [r for r, exp in holders.items() if exp == CONFIRMED or exp > now]
-            else:
-                still = []
-                for r in alive:
-                    exp = holders.get(r)
-                    if exp is not None and (exp == CONFIRMED or exp > now):
-                        still.append(r)
-                    else:
-                        matched[r] = depth
-                alive = still
-            if not alive:
-                return matched
-        else:
-            depth = len(chain)
-        for r in alive:  # the ones that matched to the end (or to the first unknown block)
-            matched[r] = depth
+        for name, rep in self._replicas.items():
+            first = rep.entries.get(head)
+            if first is not None and _live(first, now):
+                matched[name] = _live_run(list(map(rep.entries.get, chain)), now)
         return matched
 
     # -- writes ---------------------------------------------------------------------------
@@ -120,60 +124,50 @@ class MemoryIndex(PrefixIndex):
         if rep is None:
             return
         for h in hashes:
-            if h in rep.lru:
-                del rep.lru[h]
-                self._drop(h, replica)
+            rep.entries.pop(h, None)
 
     # -- internals ------------------------------------------------------------------------
     def _write(self, rep: _Replica, hashes: Sequence[int], expiry: float) -> None:
         """Set entries (a confirmation is never downgraded to a prediction) and touch the LRU.
 
-        Walks the chain backwards so that its head ends up most recently used: capacity
-        eviction then takes tails first, as the engine's own free queue does, instead of
-        the shared head that every longer prefix depends on.
+        The chain is touched backwards so that its head ends up most recently used: capacity
+        eviction then takes tails first, as the engine's own free queue does, instead of the
+        shared head that every longer prefix depends on.  Values are set first and the recency
+        moves done after, in one C loop: setting a value never moves a key, so the resulting order
+        is the same as touching block by block, and most blocks of a chain seen before (the
+        earlier turns of a conversation) need no new value at all.
         """
-        blocks, lru, name = self._blocks, rep.lru, rep.spec.name
-        move = lru.move_to_end
+        entries = rep.entries
+        old = list(map(entries.get, hashes))
         timed = expiry != PINNED and expiry != CONFIRMED
-        expiries = rep.expiries
-        for h in reversed(hashes):
-            holders = blocks.get(h)
-            if holders is None:
-                blocks[h] = {name: expiry}
-            elif expiry == CONFIRMED or holders.get(name) != CONFIRMED:
-                holders[name] = expiry
-            else:
-                move(h)  # confirmed already: only refresh its recency
-                continue
-            if timed:
-                expiries.append((expiry, h))
-            if h in lru:
-                move(h)
-            else:
-                lru[h] = None
+        if timed or old.count(expiry) + (expiry != CONFIRMED and old.count(CONFIRMED)) != len(old):
+            self._set_values(rep, hashes, old, expiry, timed)
+        # deque(maxlen=0) consumes the map in C
+        deque(map(entries.move_to_end, reversed(hashes)), maxlen=0)
         self._evict_over_capacity(rep)
 
-    def _drop(self, h: int, replica: str) -> None:
-        holders = self._blocks.get(h)
-        if holders is not None:
-            holders.pop(replica, None)
-            if not holders:
-                del self._blocks[h]
+    @staticmethod
+    def _set_values(rep: _Replica, hashes: Sequence[int], old: list[float | None], expiry: float, timed: bool) -> None:
+        entries, expiries = rep.entries, rep.expiries
+        for h, was in zip(reversed(hashes), reversed(old)):
+            if was == CONFIRMED and expiry != CONFIRMED:
+                continue  # confirmed already: only its recency is refreshed
+            if was == expiry and not timed:
+                continue
+            entries[h] = expiry
+            if timed:
+                expiries.append((expiry, h))
 
     def _evict_over_capacity(self, rep: _Replica) -> None:
-        lru = rep.lru
-        over = len(lru) - max(rep.spec.capacity_blocks, 0)
-        for _ in range(over):
-            h, _ = lru.popitem(last=False)
-            self._drop(h, rep.spec.name)
+        entries = rep.entries
+        for _ in range(len(entries) - max(rep.spec.capacity_blocks, 0)):
+            entries.popitem(last=False)
 
     def _expire(self, rep: _Replica, now: float) -> None:
         """Drop TTL predictions that ran out (and were neither confirmed nor renewed)."""
         q = rep.expiries
-        name = rep.spec.name
+        entries = rep.entries
         while q and q[0][0] <= now:
             expiry, h = q.popleft()
-            holders = self._blocks.get(h)
-            if holders is not None and holders.get(name) == expiry:
-                rep.lru.pop(h, None)
-                self._drop(h, name)
+            if entries.get(h) == expiry:
+                del entries[h]
