@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
+import itertools
 import logging
 import re
 import signal
@@ -44,6 +45,7 @@ from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import make_policy
 from .proxy import Outcome, Proxy, Timeouts, make_upstream_session
 from .requests import Kind, decode_json_object, parse_request
+from .reconcile import EngineCacheCounters
 from .reuse import ReuseTracker
 from .routing import Router
 from .tokens import TokenizerRegistry
@@ -62,6 +64,14 @@ POLICY_REASONS = {
 REQUEST_ID = web.RequestKey("request_id", str)
 _REQUEST_ID_OK = re.compile(r"^[\w.:@/+=-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# A new request id is this process's random prefix and a counter: unique as a uuid4 per request
+# would be, without a getrandom syscall and a UUID object on every request.
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_id_counter = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
 @web.middleware
@@ -69,7 +79,7 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
     """X-Request-Id: the client's (if sane), else a new one; passed upstream and returned."""
     rid = request.headers.get("X-Request-Id", "")
     if not _REQUEST_ID_OK.match(rid):
-        rid = uuid.uuid4().hex
+        rid = new_request_id()
     request[REQUEST_ID] = rid
     resp = await handler(request)
     if not resp.prepared:
@@ -118,6 +128,8 @@ class RouterApp:
         self.fleet = Fleet(s.fleet, self.session, load=self.load, index=self.index)
         self.fleet.subscribe(self._on_fleet_event)
         self.metrics.bind_replicas(self._replica_gauges)
+        # the engines' own prefix-cache counters, next to the router's delivered figure
+        EngineCacheCounters(self.metrics.registry).attach(self.fleet)
         self.reuse = ReuseTracker(window_blocks=s.reuse_window_blocks)
         self.router = Router(
             s,

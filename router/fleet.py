@@ -27,11 +27,12 @@ import aiohttp
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field, field_validator
 
+from .aio import cancel_and_wait
 from .breaker import BreakerState, CircuitBreaker
 from .index.base import PrefixIndex, ReplicaSpec
 from .load import LoadTracker
 from .registry import ReplicaRecord, list_replicas
-from .scrape import parse_vllm_metrics
+from .scrape import ScrapeResult, parse_vllm_metrics
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class Fleet:
         self._dns_seen: set[str] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._listeners: list[Callable[[FleetEvent, Replica], None]] = []
+        self._scrape_listeners: list[Callable[[Replica, ScrapeResult], None]] = []
         self._block_size_warned: set[str] = set()
         self._headers = {"Authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
 
@@ -201,9 +203,7 @@ class Fleet:
             tasks.extend(r.tasks.values())
             r.tasks.clear()
         self._loops = []
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         if self._owns_redis and self._redis is not None:
             await self._redis.aclose()
             self._redis = None
@@ -213,6 +213,11 @@ class Fleet:
         """Call ``callback(event, replica)`` on joined/left/up/down/restarted/changed (a KV-event
         subscriber follows joined/changed/left; "changed" means new event endpoints)."""
         self._listeners.append(callback)
+
+    def on_scrape(self, callback: Callable[[Replica, ScrapeResult], None]) -> None:
+        """Call ``callback(replica, result)`` after each successful /metrics scrape (the engines'
+        own counters, e.g. router/reconcile.py)."""
+        self._scrape_listeners.append(callback)
 
     # -- queries (synchronous, no I/O) --------------------------------------------------------
     def replicas(self) -> list[Replica]:
@@ -375,9 +380,10 @@ class Fleet:
             desired.setdefault(normalize_url(url), set()).add("static")
         if self.settings.discovery_redis and self._redis is not None:
             try:
-                records = await asyncio.wait_for(
-                    list_replicas(self._redis, self.settings.redis_key_prefix), self.settings.discovery_timeout_s
-                )
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation
+                # that lands as the answer arrives, and stop() would wait for this loop forever
+                async with asyncio.timeout(self.settings.discovery_timeout_s):
+                    records = await list_replicas(self._redis, self.settings.redis_key_prefix)
                 self._redis_seen = {normalize_url(rec.url): rec for rec in records}
             except (aioredis.RedisError, OSError, TimeoutError) as exc:
                 log.warning("Redis discovery failed, keeping %d known registrations: %s", len(self._redis_seen), exc)
@@ -385,7 +391,8 @@ class Fleet:
                 desired.setdefault(url, set()).add("redis")
         if self.settings.dns_name:
             try:
-                self._dns_seen = await asyncio.wait_for(self._resolve_dns(), self.settings.discovery_timeout_s)
+                async with asyncio.timeout(self.settings.discovery_timeout_s):
+                    self._dns_seen = await self._resolve_dns()
             except (OSError, TimeoutError, ValueError) as exc:
                 log.warning("DNS discovery of %s failed, keeping %d addresses: %s",
                             self.settings.dns_name, len(self._dns_seen), exc)
@@ -432,10 +439,8 @@ class Fleet:
         del self._replicas[r.name]
         tasks = list(r.tasks.values())
         r.tasks.clear()
-        for t in tasks:
-            t.cancel()
         # Wait for them so that no index write of theirs lands after the removal below.
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         r.healthy = False
         log.info("replica %s left", r.name)
         await self._index_call(self.index.remove_replica(r.name), r)
@@ -535,6 +540,11 @@ class Fleet:
             return
         if not self._current(r):
             return
+        for cb in self._scrape_listeners:
+            try:
+                cb(r, scraped)
+            except Exception:  # noqa: BLE001 - a listener's bug must not break the scrape
+                log.exception("scrape listener failed on %s", r.name)
         r.running, r.waiting, r.kv_usage = scraped.running, scraped.waiting, scraped.kv_usage
         r.last_scrape = time.monotonic()
         r.scraped_block_size, r.scraped_capacity = scraped.block_size, scraped.capacity_blocks

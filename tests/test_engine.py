@@ -130,7 +130,7 @@ def test_hit_on_a_block_in_use_shares_it():
 
 def test_free_blocks_keep_their_hashes_and_are_reused_least_recently_freed_first():
     events: list = []
-    eng = engine(SMALL.replace(num_gpu_blocks=8), events)
+    eng = engine(SMALL.replace(num_gpu_blocks=9), events)  # 8 usable: one is vLLM's null block
     a, b = toks(0, 3 * BS), toks(1000, 3 * BS)
     ha, hb = block_hashes(a, BS, SEED), block_hashes(b, BS, SEED)
     eng.submit(req("a", a), 0.0)
@@ -177,7 +177,7 @@ def test_block_stored_events_follow_chunked_prefill_with_parents_and_tokens():
 
 def test_recomputed_last_block_is_cached_twice_like_vllm():
     events: list = []
-    eng = engine(SMALL.replace(num_gpu_blocks=10), events)
+    eng = engine(SMALL.replace(num_gpu_blocks=11), events)  # 10 usable: one is vLLM's null block
     prompt = toks(0, 4 * BS)
     h = block_hashes(prompt, BS, SEED)
     eng.submit(req("a", prompt), 0.0)
@@ -233,13 +233,14 @@ def test_chunked_prefill_spans_steps_and_the_last_chunk_yields_the_first_token()
 
 def test_ttft_grows_with_uncached_tokens():
     ttft = []
+    big = SMALL.replace(max_num_batched_tokens=4096, num_gpu_blocks=65)  # 1024 tokens + the null block
     for n in (64, 256, 1024):
-        eng = engine(SMALL.replace(max_num_batched_tokens=4096))
+        eng = engine(big)
         eng.submit(req("a", toks(0, n)), 0.0)
         ttft.append(of_kind(drain(eng), "first_token")["a"].time)
     assert ttft[0] < ttft[1] < ttft[2]
     # A cached prefix takes most of the work away.
-    eng = engine(SMALL.replace(max_num_batched_tokens=4096))
+    eng = engine(big)
     eng.submit(req("warm", toks(0, 1024 - BS) + toks(50_000, BS)), 0.0)
     drain(eng)
     eng.submit(req("a", toks(0, 1024)), 10.0)
@@ -257,7 +258,7 @@ def test_ttft_grows_with_the_queue_ahead():
 
 
 def test_requests_wait_while_kv_is_full_and_proceed_later():
-    eng = engine(SMALL.replace(num_gpu_blocks=10))
+    eng = engine(SMALL.replace(num_gpu_blocks=11))  # 10 usable: one is vLLM's null block
     eng.submit(req("a", toks(0, 6 * BS), max_tokens=20), 0.0)  # 6 blocks, 8 at the end
     eng.submit(req("b", toks(1000, 6 * BS), max_tokens=20), 0.0)
     eng.run_until(eng.next_step_time())
@@ -405,7 +406,7 @@ def test_abort_during_the_step_that_would_produce_the_first_token():
 
 
 def test_submit_validates_requests():
-    eng = engine(SMALL.replace(num_gpu_blocks=4))
+    eng = engine(SMALL.replace(num_gpu_blocks=5))  # 4 usable: one is vLLM's null block
     with pytest.raises(ValueError):
         eng.submit(req("big", toks(0, 4 * BS), max_tokens=2), 0.0)  # 65 tokens > 4 blocks
     eng.submit(req("ok", toks(0, 4 * BS)), 0.0)
@@ -438,7 +439,7 @@ def test_reference_counts_and_free_queue_stay_consistent(ops, blocks, coalesce):
             _, k, suffix, max_tokens = op
             rid = f"r{len(submitted)}"
             r = req(rid, prefixes[k] + toks(10_000 * len(submitted), suffix), max_tokens, bs=bs)
-            if -(-(r.prompt_tokens + max_tokens - 1) // bs) > blocks:
+            if -(-(r.prompt_tokens + max_tokens - 1) // bs) > blocks - 1:  # the null block holds nothing
                 continue
             eng.submit(r, t)
             submitted[rid] = r

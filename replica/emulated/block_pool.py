@@ -1,6 +1,8 @@
 """The emulated engine's KV block pool and prefix cache, with vLLM v1's semantics.
 
-Blocks are ids ``0..num_blocks-1`` with a reference count.  A full block of a prompt gets its chain
+Blocks are ids ``0..num_blocks-1`` with a reference count.  Block 0 is vLLM's *null block*: its
+``BlockPool`` takes it out of the free queue at start (a placeholder for skipped blocks), so a
+cache of ``num_gpu_blocks`` blocks holds ``num_gpu_blocks - 1`` of content (``usable``).  A full block of a prompt gets its chain
 hash and is *cached*: later requests whose chain starts the same way reuse it.  When its last user
 lets go it joins the free queue but keeps its hash, so it still hits, until the queue hands it out
 for new content (least recently freed first); only then is it evicted, which emits BlockRemoved.
@@ -18,18 +20,21 @@ from itertools import islice, takewhile
 
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
+NULL_BLOCK = 0  # never handed out, never freed (vLLM's placeholder block)
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, *, record_events: bool = True):
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError("num_blocks and block_size must be positive")
+        if num_blocks < 2 or block_size <= 0:
+            raise ValueError("num_blocks must be >= 2 (one is the null block) and block_size positive")
         self.num_blocks = num_blocks
+        self.usable = num_blocks - 1  # without the null block
         self.block_size = block_size
         self.ref_count: list[int] = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         # Free blocks in eviction order (head = next handed out); an OrderedDict gives O(1) popleft,
         # append and removal from the middle (a cache hit on a free block), like vLLM's linked list.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK + 1, num_blocks))
         self._cached: dict[int, int] = {}  # hash -> the block a lookup returns
         self._copies: dict[int, list[int]] = {}  # hash -> further blocks holding the same content
         self.events: list[KVEvent] = []
@@ -47,7 +52,8 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Usable blocks with a user (the null block is neither used nor free)."""
+        return self.usable - len(self._free)
 
     @property
     def num_cached(self) -> int:
@@ -126,12 +132,24 @@ class BlockPool:
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block; those left unused join the free queue in this order
-        (so the first ones given are evicted first: callers pass a request's blocks tail first)."""
-        ref, free = self.ref_count, self._free
+        (so the first ones given are evicted first: callers pass a request's blocks tail first).
+
+        As in vLLM's ``BlockPool.free_blocks``: blocks holding a hash join the queue's tail (LRU
+        eviction of cached content); blocks holding none (a prompt's partial last block, output
+        blocks) go to its head, to be handed out first, so they never push cached blocks out.
+        """
+        ref, free, bhash = self.ref_count, self._free, self.block_hash
+        unhashed: list[int] = []
         for b in blocks:
             ref[b] -= 1
             if ref[b] == 0:
-                free[b] = None
+                if bhash[b] is None:
+                    unhashed.append(b)
+                else:
+                    free[b] = None
+        for b in reversed(unhashed):  # prepended in the order given, like vLLM's prepend_n
+            free[b] = None
+            free.move_to_end(b, last=False)
 
     def reset(self) -> bool:
         """Forget every hash (vLLM's reset_prefix_cache); refused while any block is in use."""
@@ -163,7 +181,8 @@ class BlockPool:
         """Raise AssertionError if the bookkeeping is inconsistent (for tests)."""
         ref, free = self.ref_count, self._free
         assert all(r >= 0 for r in ref), "negative reference count"
-        for b in range(self.num_blocks):
+        assert ref[NULL_BLOCK] == 0 and NULL_BLOCK not in free and self.block_hash[NULL_BLOCK] is None
+        for b in range(NULL_BLOCK + 1, self.num_blocks):
             assert (ref[b] == 0) == (b in free), f"block {b}: ref {ref[b]} but free={b in free}"
         holders: dict[int, list[int]] = {}
         for b, h in enumerate(self.block_hash):
@@ -172,4 +191,4 @@ class BlockPool:
         listed = {h: [b, *self._copies.get(h, [])] for h, b in self._cached.items()}
         assert set(self._copies) <= set(self._cached), "copies of an uncached hash"
         assert {h: sorted(bs) for h, bs in holders.items()} == {h: sorted(bs) for h, bs in listed.items()}
-        assert self.num_cached <= self.num_blocks
+        assert self.num_cached <= self.usable

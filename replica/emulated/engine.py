@@ -175,7 +175,7 @@ class EmulatedEngine:
 
     @property
     def kv_usage(self) -> float:
-        return self.pool.num_used / self.num_gpu_blocks
+        return self.pool.num_used / self.pool.usable  # as vLLM: the null block does not count
 
     @property
     def now(self) -> float:
@@ -190,8 +190,8 @@ class EmulatedEngine:
             raise ValueError("prompt_tokens and max_tokens must be >= 1")
         if len(req.block_hashes) > req.prompt_tokens // bs:
             raise ValueError("more block hashes than full prompt blocks")
-        if -(-(req.prompt_tokens + req.max_tokens - 1) // bs) > self.num_gpu_blocks:
-            raise ValueError(f"request needs more than the KV capacity ({self.num_gpu_blocks} blocks)")
+        if -(-(req.prompt_tokens + req.max_tokens - 1) // bs) > self.pool.usable:
+            raise ValueError(f"request needs more than the KV capacity ({self.pool.usable} usable blocks)")
         now = self._sync(now)
         if self._step is None and not self._requests:
             self._clock = now  # idle: the next step starts when work arrives

@@ -198,7 +198,7 @@ class EmulatedReplica:
         self.profile = config.timing_profile()
         self.block_size = self.profile.block_size
         self.num_gpu_blocks = self.profile.num_gpu_blocks
-        capacity_tokens = self.block_size * self.num_gpu_blocks
+        capacity_tokens = self.block_size * (self.num_gpu_blocks - 1)  # vLLM's null block holds nothing
         self.max_model_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, capacity_tokens)
         if self.max_model_len > capacity_tokens:
             # vLLM refuses to start when one sequence could not fit in the KV cache.
@@ -366,7 +366,9 @@ class EmulatedReplica:
             if delay > 0:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                    # not wait_for: Python 3.11's swallows a cancellation racing the wake-up
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
                 continue  # re-read the schedule: an arrival may have changed it
             try:
                 self._run_due()

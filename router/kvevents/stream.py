@@ -385,7 +385,10 @@ class ReplicaStream:
             first = True
             since_flush = 0
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout_s)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
+                # lands as the reply arrives, and the stream would outlive its stop()
+                async with asyncio.timeout(self._replay_timeout_s):
+                    frames = await dealer.recv_multipart()
                 seq, payload = parse_replay(frames)
                 if first:
                     first = False

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from router.aio import cancel_and_wait
 from router.index.base import PrefixIndex
 
 from .metrics import KVEventMetrics
@@ -247,10 +248,12 @@ class KVEventSubscriber:
         if task is None:
             return None
         task.cancel()
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
+        # ...and again until it ends: a cancellation can be lost during a Redis call (router/aio.py)
+        reaper = asyncio.get_running_loop().create_task(cancel_and_wait([task]))
+        self._stopping.add(reaper)
+        reaper.add_done_callback(self._stopping.discard)
         self._notify()
-        return task
+        return reaper
 
 
 __all__ = ["KVEventSubscriber", "StreamStatus", "base_model", "reachable_endpoint"]
