@@ -20,7 +20,7 @@ test: install deps-observe
 	$(MAKE) test-vllm
 
 demo: install
-	$(BIN)/kvroute sim --workload sessions --replicas 8 --policy all
+	$(BIN)/kvroute demo
 
 sim: install
 	$(BIN)/kvroute sim --workload sessions --replicas 8 --policy all

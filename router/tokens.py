@@ -44,15 +44,21 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken
-from tokenizers import Tokenizer as HfTokenizer
-from tokenizers.processors import TemplateProcessing
+# Before `tokenizers` is imported: its batch encoders otherwise queue every call on one shared
+# rayon pool, so a short prompt encoded on the event loop waits behind long ones submitted from
+# the thread pool (stalls of 0.15-2.4 s seen under concurrent long prompts).  Our own thread pool
+# is the parallelism; each call then runs, GIL released, in the thread that made it.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from .blocks import token_bytes
+import jinja2  # noqa: E402
+import jinja2.ext  # noqa: E402
+import jinja2.nodes  # noqa: E402
+from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
+from tokenizers import AddedToken  # noqa: E402
+from tokenizers import Tokenizer as HfTokenizer  # noqa: E402
+from tokenizers.processors import TemplateProcessing  # noqa: E402
+
+from .blocks import token_bytes  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,450 @@
+"""`kvroute demo`: a router and emulated replicas on loopback, round_robin against cost_model.
+
+Each policy gets a fresh fleet (cold caches, a fresh router and index) and the same multi-turn
+chat workload (bench/demo_chat.py: same seed, same text), replayed over HTTP with streaming.
+Results go to stdout as a table (or, with ``--json``, exactly one JSON object with the keys of
+``kvroute sim --json``); progress and logs go to stderr.  Nothing is left running, also on
+Ctrl-C or an error: every replica and router lives in this process and is stopped on the way out.
+
+Where each figure comes from (all three reuse figures share one denominator: the prompt tokens
+of the answered requests, as the replicas' ``usage.prompt_tokens`` reports them):
+
+* reuse available: the router's ``kvroute_reuse_available_tokens_total`` (leading blocks an
+  earlier prompt of the pass shared; the router's window holds far more than one pass);
+* reuse predicted: the router's ``kvroute_reuse_predicted_tokens_total``;
+* reuse delivered: ``usage.prompt_tokens_details.cached_tokens`` of each response, at the client;
+* TTFT: at the client, request sent to first streamed event, in wall seconds (the replicas run
+  their timing profile ``--time-scale`` times real time, so an engine second lasts that long);
+* imbalance: max/mean requests per replica, from the router's ``kvroute_requests_total``;
+* throughput: answered requests per wall second, first request sent to last answer.
+
+Sizing.  The number of requests, not the speed-up, is what costs CPU here (every token crosses
+client, router and replica in one Python process), so the defaults hold it at ~800 per pass and
+choose the rest around it: 4 replicas of the calibrated H100 profile, 160 conversations of 3-7
+turns on ~1-2k-token shared system prompts and ~5k-token first messages, 8 new conversations per
+engine second, run twice as fast as real time (``--time-scale 0.5``).  That keeps round_robin,
+which recomputes about half of every prompt, queueing (TTFT p50 several times cost_model's),
+while the one event loop keeps up (its lag is reported per pass: if it is high, the machine is
+busy and TTFTs include it).  About a minute on two cores.
+
+`kvroute demo --serve [--port P]` keeps one fleet (cost_model, model name ``demo``) running
+until SIGINT/SIGTERM: stdout's first line is the router's base URL, printed once its ``/ready``
+answers 200; then where its metrics and the replicas are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from . import report
+from .demo_chat import ChatConfig, ChatWorkload, Replay, RequestRecord, build_workload
+from .demo_fleet import ENGINES, DemoStack, EngineUnavailable, demo_stack, fleet_factory, make_fleet
+from .sim import METRIC_KEYS
+
+log = logging.getLogger("kvroute.demo")
+
+MODEL = "demo"
+POLICIES = ("round_robin", "cost_model")
+DEFAULT_REPLICAS = 4
+DEFAULT_SESSIONS = 160
+DEFAULT_TIME_SCALE = 0.5  # the comparison: twice as fast as the profile's real time
+SERVE_TIME_SCALE = 1.0  # --serve: the profile's own speed, for watching dashboards
+DEFAULT_SESSION_RATE = 8.0  # conversations started per engine second
+BUSY_LOOP_P99_MS = 50.0  # event-loop lag past this: the machine was too busy for clean TTFTs
+ACCOUNTING_WAIT_S = 10.0  # the router books a request just after answering it: wait for the books
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS, help=f"replicas (default {DEFAULT_REPLICAS})")
+    p.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS, help=f"conversations per pass (default {DEFAULT_SESSIONS})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", default="emulated", choices=ENGINES, help="replica backend (default emulated)")
+    p.add_argument("--profile", default="default", help="emulated replicas' timing profile (default: the calibrated H100 one)")
+    p.add_argument(
+        "--time-scale", type=float, default=None,
+        help="wall seconds per engine second: <1 runs the replicas' profile faster than real time "
+        f"(default {DEFAULT_TIME_SCALE:g}; {SERVE_TIME_SCALE:g} with --serve)",
+    )
+    p.add_argument(
+        "--session-rate", type=float, default=DEFAULT_SESSION_RATE,
+        help=f"conversations started per engine second (default {DEFAULT_SESSION_RATE:g})",
+    )
+    p.add_argument("--policy-options", type=json.loads, default={}, metavar="JSON",
+                   help="keyword options of the cost_model policy, e.g. '{\"epsilon\": 0.5}'")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--serve", action="store_true", help="keep a cost_model fleet running until interrupted")
+    p.add_argument("--port", type=int, default=0, help="--serve: the router's port (default: a free one)")
+    args = p.parse_args(argv)
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
+    if args.sessions < 1:
+        p.error("--sessions must be at least 1")
+    if args.time_scale is None:
+        args.time_scale = SERVE_TIME_SCALE if args.serve else DEFAULT_TIME_SCALE
+    if args.time_scale <= 0:
+        p.error("--time-scale must be positive")
+    if args.session_rate <= 0:
+        p.error("--session-rate must be positive")
+    if not isinstance(args.policy_options, dict):
+        p.error("--policy-options must be a JSON object")
+    if args.engine == "emulated":
+        from replica.emulated.profile import PROFILES
+
+        if args.profile not in PROFILES:
+            p.error(f"unknown --profile {args.profile!r}; choose from {', '.join(PROFILES)}")
+        args.profile = PROFILES[args.profile].name
+    return args
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_metrics(text: str) -> Samples:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+
+def requests_per_replica(samples: Samples, replicas: list[str]) -> dict[str, int]:
+    """Answered (2xx) requests per replica, from the router's ``kvroute_requests_total``."""
+    counts = dict.fromkeys(replicas, 0)
+    for (name, labels), value in samples.items():
+        lab = dict(labels)
+        if name == "kvroute_requests_total" and lab.get("model") == MODEL and lab.get("status", "").startswith("2"):
+            counts[lab["replica"]] = counts.get(lab["replica"], 0) + int(value)
+    return counts
+
+
+async def settled_metrics(url: str, answered: int, timeout_s: float = ACCOUNTING_WAIT_S) -> Samples:
+    """The router's metrics once every answered request is booked (it books just after answering)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(url + "/metrics") as resp:
+                samples = parse_metrics(await resp.text())
+            booked = total(samples, "kvroute_requests_total", model=MODEL, status="200")
+            if booked >= answered or loop.time() >= deadline:
+                if booked != answered:
+                    log.warning("the router booked %d answered requests, the client saw %d", booked, answered)
+                return samples
+            await asyncio.sleep(0.05)
+
+
+def summarize(records: list[RequestRecord], samples: Samples, replicas: list[str]) -> dict[str, float | int]:
+    """The eight figures of `kvroute sim --json` for one pass."""
+    ok = [r for r in records if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    denom = float(prompt) or 1.0
+    ttft = np.array([r.ttft_s for r in ok])
+    counts = np.array(list(requests_per_replica(samples, replicas).values()), dtype=float)
+    mean = counts.mean() if counts.size else 0.0
+    span = max(r.done_at for r in ok) - min(r.sent_at for r in ok) if ok else 0.0
+    routed_prompt = total(samples, "kvroute_prompt_tokens_total", model=MODEL)
+    if routed_prompt != prompt:
+        log.warning("prompt tokens: router %d, replicas' usage %d", routed_prompt, prompt)
+    figures: dict[str, float | int] = {
+        "reuse_available": total(samples, "kvroute_reuse_available_tokens_total", model=MODEL) / denom,
+        "reuse_predicted": total(samples, "kvroute_reuse_predicted_tokens_total", model=MODEL) / denom,
+        "reuse_delivered": sum(r.cached_tokens for r in ok) / denom,
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft.size else math.nan,
+        "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft.size else math.nan,
+        "imbalance": float(counts.max() / mean) if mean > 0 else math.nan,
+        "throughput_rps": len(ok) / span if span > 0 else math.nan,
+        "requests": len(ok),
+    }
+    assert tuple(figures) == METRIC_KEYS  # the simulator's keys, in its order
+    return figures
+
+
+# --- one pass -----------------------------------------------------------------------------------
+
+
+class LoopLag:
+    """How late the event loop wakes up: everything here (client, router, replicas) shares it, so
+    its lag is part of every TTFT measured; reported so a saturated run shows as one."""
+
+    def __init__(self, period_s: float = 0.05):
+        self.period_s = period_s
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoopLag:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _watch(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(self.period_s)
+            self.lags.append(max(0.0, time.perf_counter() - t - self.period_s))  # sleep may wake a hair early
+
+    def summary(self) -> dict[str, float]:
+        lags = np.array(self.lags or [0.0]) * 1000
+        return {"p50_ms": round(float(np.percentile(lags, 50)), 1), "p99_ms": round(float(np.percentile(lags, 99)), 1),
+                "max_ms": round(float(lags.max()), 1)}
+
+
+class Progress:
+    """A line on stderr every few seconds: the tty-free cousin of a progress bar."""
+
+    def __init__(self, policy: str, total_requests: int, every_s: float = 5.0):
+        self.policy = policy
+        self.total = total_requests
+        self.every_s = every_s
+        self.done = 0
+        self.errors = 0
+        self._t0 = self._last = time.perf_counter()
+
+    def __call__(self, record: RequestRecord) -> None:
+        self.done += 1
+        self.errors += not record.ok
+        if not record.ok and self.errors <= 5:
+            log.warning("%s: request failed: %s", self.policy, record.error)
+        now = time.perf_counter()
+        if now - self._last >= self.every_s or self.done == self.total:
+            self._last = now
+            print(f"  {self.policy:<12} {self.done:>5}/{self.total} requests, {now - self._t0:5.1f} s", file=sys.stderr)
+
+
+async def run_pass(policy: str, args: argparse.Namespace, workload: ChatWorkload) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One policy on a fresh fleet; returns (figures, details for stderr and the JSON extras)."""
+    fleet = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile)
+    options = args.policy_options if policy == "cost_model" else {}
+    async with demo_stack(policy, fleet, policy_options=options) as stack:
+        progress = Progress(policy, workload.requests)
+        replay = Replay(stack.url, MODEL, workload, time_scale=args.time_scale, on_done=progress)
+        t0 = time.perf_counter()
+        async with LoopLag() as lag:
+            records = await replay.run()
+        wall = time.perf_counter() - t0
+        answered = sum(r.ok for r in records)
+        samples = await settled_metrics(stack.url, answered)
+        figures = summarize(records, samples, fleet.urls)
+        details = pass_details(stack, records, samples, wall)
+        details["loop_lag"] = lag.summary()
+        details["prefill_load"] = prefill_load(records, args, wall)
+    return figures, details
+
+
+def prefill_load(records: list[RequestRecord], args: argparse.Namespace, wall: float) -> float | None:
+    """Estimated share of the fleet's engine time the pass's uncached prefill took (emulated
+    replicas: their profile's steady prefill rate; None for other engines).  How busy a policy
+    kept the replicas: the same workload costs round_robin more, since it recomputes more."""
+    if args.engine != "emulated":
+        return None
+    from replica.emulated.profile import PROFILES
+
+    profile = PROFILES.get(args.profile)
+    if profile is None or wall <= 0:
+        return None
+    uncached = sum(r.prompt_tokens - r.cached_tokens for r in records if r.ok)
+    engine_s = args.replicas * wall / args.time_scale
+    return round(uncached / profile.prefill_tokens_per_s() / engine_s, 3)
+
+
+def pass_details(stack: DemoStack, records: list[RequestRecord], samples: Samples, wall: float) -> dict[str, Any]:
+    per_replica = requests_per_replica(samples, stack.fleet.urls)
+    decisions = {
+        dict(lab)["reason"]: int(v)
+        for (name, lab), v in samples.items()
+        if name == "kvroute_routing_decisions_total" and v
+    }
+    errors = [r.error for r in records if not r.ok]
+    return {
+        "wall_s": round(wall, 2),
+        "sent": len(records),
+        "prompt_tokens": sum(r.prompt_tokens for r in records if r.ok),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "requests_per_replica": list(per_replica.values()),
+        "decisions": decisions,
+        "router_delivered_tokens": int(total(samples, "kvroute_reuse_delivered_tokens_total", model=MODEL)),
+    }
+
+
+# --- the comparison -----------------------------------------------------------------------------
+
+
+def targets(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, bool]]:
+    """The issue's three claims, checked on this run's figures."""
+    cm, rr = results["cost_model"], results["round_robin"]
+    avail = cm["reuse_available"] or math.nan
+    cm_share = cm["reuse_delivered"] / avail
+    rr_share = rr["reuse_delivered"] / (rr["reuse_available"] or math.nan)
+    return [
+        (f"cost_model delivers {cm_share:.1%} of the available reuse (target >= 90%)", cm_share >= 0.9),
+        (f"round_robin delivers {rr_share:.1%} of it (target: far less, here < 75% of cost_model's share)",
+         rr_share < 0.75 * cm_share),
+        (f"TTFT p99: cost_model {cm['ttft_p99_s'] * 1000:.0f} ms vs round_robin {rr['ttft_p99_s'] * 1000:.0f} ms "
+         "(target: lower)", cm["ttft_p99_s"] < rr["ttft_p99_s"]),
+    ]
+
+
+@contextlib.contextmanager
+def signal_handlers(handlers: Mapping[int, Any]) -> Iterator[None]:
+    """Loop signal handlers for the duration of a run, removed after it (the loop's handlers would
+    otherwise outlive it when the demo runs inside a longer process, such as a test session)."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig, callback in handlers.items():
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+            loop.add_signal_handler(sig, callback)
+            installed.append(sig)
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def compare(args: argparse.Namespace) -> int:
+    task = asyncio.current_task()
+    assert task is not None
+    with signal_handlers({signal.SIGTERM: task.cancel}):  # SIGTERM stops the run as Ctrl-C does
+        return await _compare(args)
+
+
+async def _compare(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    workload = build_workload(args.seed, args.sessions, args.session_rate, ChatConfig())
+    fleet_note = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile).describe()
+    print(
+        f"kvroute demo: {fleet_note}; {args.sessions} conversations ({workload.requests} requests), "
+        f"{args.session_rate:g} new per engine second, seed {args.seed}",
+        file=sys.stderr,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    details: dict[str, dict[str, Any]] = {}
+    for policy in POLICIES:  # one after the other: side by side they would double the CPU demand
+        results[policy], details[policy] = await run_pass(policy, args, workload)
+        d = details[policy]
+        print(
+            f"  {policy}: {d['wall_s']:.1f} s, {d['errors']} errors, requests per replica {d['requests_per_replica']}, "
+            f"decisions {d['decisions']}, prefill load ≈ {d['prefill_load']}, event-loop lag {d['loop_lag']}",
+            file=sys.stderr,
+        )
+    wall = time.perf_counter() - started
+    print(f"demo ran in {wall:.1f} s wall", file=sys.stderr)
+
+    note = (
+        f"{fleet_note}; TTFT measured at the client in wall time (an engine second lasts {args.time_scale:g} s); "
+        "reuse as shares of prompt tokens: available and predicted from the router's /metrics, "
+        "delivered from the replicas' cached_tokens"
+    )
+    if args.json:
+        extra = {
+            "workload": "chat-sessions",
+            "replicas": args.replicas,
+            "rate": args.session_rate * ChatConfig().mean_turns,
+            "rate_note": f"{args.session_rate:g} conversations per engine second (requests per engine second in the long run: "
+            "rate), closed loop with think time between turns",
+            "profile": args.profile,
+            "seed": args.seed,
+            "kv_events": False,
+            "too_long_requests": 0,
+            "wall_s": round(wall, 2),
+            "engine": args.engine,
+            "time_scale": args.time_scale,
+            "sessions": args.sessions,
+            "requests_sent": workload.requests,
+            "targets": [{"claim": text, "holds": holds} for text, holds in targets(results)],
+            "passes": details,
+        }
+        sys.stdout.write(report.to_json(results, extra) + "\n")
+    else:
+        title = f"kvroute demo: {args.replicas} replicas, {args.sessions} conversations, seed {args.seed}"
+        report.print_table(results, title, file=sys.stdout, footer=note)
+        for text, ok in targets(results):
+            print(f"{'PASS' if ok else 'MISS'}  {text}")
+        for policy, d in details.items():
+            if d["loop_lag"]["p99_ms"] > BUSY_LOOP_P99_MS:
+                print(f"NOTE  the {policy} pass ran on a busy machine: event-loop lag p99 {d['loop_lag']['p99_ms']:.0f} ms "
+                      "is part of its TTFTs")
+        print(f"wall time {wall:.1f} s")
+    sys.stdout.flush()
+    failed = sum(d["errors"] for d in details.values())
+    return 1 if failed else 0
+
+
+# --- serve --------------------------------------------------------------------------------------
+
+
+async def serve(args: argparse.Namespace) -> int:
+    fleet = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile)
+    stop = asyncio.Event()
+    with signal_handlers({signal.SIGINT: stop.set, signal.SIGTERM: stop.set}):
+        return await _serve(args, fleet, stop)
+
+
+async def _serve(args: argparse.Namespace, fleet: Any, stop: asyncio.Event) -> int:
+    async with demo_stack("cost_model", fleet, port=args.port, policy_options=args.policy_options) as stack:
+        print(stack.url, flush=True)  # first line: scripts and tests read it
+        print(f"metrics: {stack.url}/metrics", flush=True)
+        for url in fleet.urls:
+            print(f"replica: {url}  (metrics: {url}/metrics)", flush=True)
+        print(f"{fleet.describe()}; router policy cost_model, model {MODEL!r}; Ctrl-C stops", file=sys.stderr, flush=True)
+        await stop.wait()
+        print("stopping", file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # tokenizers' batch encoder runs on rayon's global pool: a short prompt the router encodes
+    # inline (on the event loop) then queues behind long ones the thread pool is encoding, and
+    # the loop that serves client, router and replicas stalls for up to seconds.  Without rayon
+    # each encode runs on its calling thread; the tokenizer's thread pool still spreads long ones.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        fleet_factory(args.engine)
+    except EngineUnavailable as exc:
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    try:
+        return uvloop.run(serve(args) if args.serve else compare(args))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # everything was stopped on the way out (demo_stack)
+        print("kvroute demo: interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:  # a --port in use
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The demo's fleet: a router in front of replicas on loopback, started and stopped as one unit.
+
+The replica backend is swappable: anything with the `ReplicaFleet` shape (``urls``, ``model``,
+``describe()``, ``async start()``, ``async stop()``) can stand behind the router.  `EmulatedFleet`
+runs emulated replicas in this process (one shared tokenizer; the engines' timing profile sped
+up or slowed down by ``time_scale``).  `--engine vllm` (issue 4, `make demo-vllm`) plugs in
+through ``replica.vllm.demo_fleet(count, model=..., time_scale=..., profile=...) -> ReplicaFleet``
+once that module provides it (the emulated options may be ignored); until then `fleet_factory`
+raises `EngineUnavailable` with the reason.  Building a fleet starts nothing: ``start()`` does.
+
+`demo_stack` starts the replicas first and the router after them (its first health round then
+finds them up), and stops everything it started, in reverse order, whatever happens in between:
+an error, a cancellation (Ctrl-C), a failed start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from router.app import RouterApp
+from router.config import RouterSettings
+
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO / "tests" / "assets" / "tiny-tokenizer"  # the router's and the replicas' tokenizer
+ENGINES = ("emulated", "vllm")
+
+
+class EngineUnavailable(RuntimeError):
+    """The requested replica engine cannot run here (not built yet, not installed)."""
+
+
+class ReplicaFleet(Protocol):
+    model: str
+    urls: list[str]
+
+    def describe(self) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class EmulatedFleet:
+    """``count`` emulated vLLM replicas in this process, on free loopback ports."""
+
+    def __init__(
+        self,
+        count: int,
+        *,
+        model: str,
+        time_scale: float,
+        profile: str = "default",
+        tokenizer_dir: Path = TOKENIZER_DIR,
+    ):
+        if count < 1:
+            raise ValueError("a fleet needs at least one replica")
+        self.count = count
+        self.model = model
+        self.time_scale = time_scale
+        self.profile = profile
+        self.tokenizer_dir = tokenizer_dir
+        self.urls: list[str] = []
+        self._replicas: list[Any] = []
+
+    def describe(self) -> str:
+        return f"{self.count} emulated replicas (profile {self.profile}, time scale {self.time_scale:g})"
+
+    async def start(self) -> None:
+        from replica.emulated.server import EmulatedReplica, ReplicaConfig
+        from router.tokens import Tokenizer
+
+        # One tokenizer for all replicas, built fresh for every fleet: its segment cache is
+        # part of the cold start (a second pass must not find the first pass's text tokenized).
+        tokenizer = Tokenizer.from_dir(self.tokenizer_dir)
+        config = ReplicaConfig(
+            model=self.model, host="127.0.0.1", port=0, tokenizer_dir=str(self.tokenizer_dir),
+            profile=self.profile, time_scale=self.time_scale,
+        )
+        try:
+            for _ in range(self.count):
+                replica = EmulatedReplica(config, tokenizer=tokenizer)
+                await replica.start()
+                self._replicas.append(replica)
+        except BaseException:
+            await self.stop()
+            raise
+        self.urls = [r.url for r in self._replicas]
+
+    async def stop(self) -> None:
+        replicas, self._replicas = self._replicas, []
+        for replica in reversed(replicas):
+            await replica.stop()
+
+
+FleetFactory = Callable[..., ReplicaFleet]
+
+
+def fleet_factory(engine: str) -> FleetFactory:
+    """What builds a fleet of ``engine`` replicas: ``factory(count, model=..., time_scale=...,
+    profile=...)``.  Raises `EngineUnavailable` when the engine cannot run here."""
+    if engine == "emulated":
+        return EmulatedFleet
+    if engine == "vllm":
+        try:
+            module = importlib.import_module("replica.vllm")
+        except ImportError as exc:
+            raise EngineUnavailable(f"--engine vllm: the vLLM replica launcher cannot be imported ({exc})") from None
+        factory = getattr(module, "demo_fleet", None)
+        if factory is None:
+            raise EngineUnavailable(
+                "--engine vllm is not available yet: the demo needs replica.vllm.demo_fleet(), which the vLLM "
+                "launcher does not provide (issue 4, `make demo-vllm`); use --engine emulated"
+            )
+        return factory
+    raise EngineUnavailable(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+
+
+def make_fleet(engine: str, count: int, *, model: str, time_scale: float, profile: str = "default") -> ReplicaFleet:
+    """A fleet, not started yet (building one starts nothing: ``start()`` does)."""
+    return fleet_factory(engine)(count, model=model, time_scale=time_scale, profile=profile)
+
+
+@dataclass
+class DemoStack:
+    router: RouterApp
+    fleet: ReplicaFleet
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+
+def router_settings(
+    policy: str, replica_urls: list[str], *, port: int = 0, policy_options: Mapping[str, Any] | None = None
+) -> RouterSettings:
+    """The demo router: loopback, the given policy, an in-memory index (so every pass starts cold),
+    no client keys; the tiny tokenizer, which the emulated replicas use too (exact block hashes)."""
+    return RouterSettings(
+        host="127.0.0.1",
+        port=port,
+        replicas=replica_urls,
+        tokenizer=str(TOKENIZER_DIR),
+        policy=policy,
+        policy_options=dict(policy_options or {}),
+        redis_url=None,
+        api_keys=[],
+        tenant_isolation=False,
+        log_level="warning",
+        # Load scraped twice a second (runs are short); health probes patient, since the replicas
+        # share this process's event loop: a busy machine delays their answers, it does not kill them.
+        fleet={"health_interval_s": 2.0, "health_timeout_s": 5.0, "metrics_interval_s": 0.5, "metrics_timeout_s": 5.0},
+    )
+
+
+@contextlib.asynccontextmanager
+async def demo_stack(
+    policy: str,
+    fleet: ReplicaFleet,
+    *,
+    port: int = 0,
+    policy_options: Mapping[str, Any] | None = None,
+    ready_timeout_s: float = 30.0,
+) -> AsyncIterator[DemoStack]:
+    """Replicas, then a router in front of them; yields once the router's /ready answers 200."""
+    await fleet.start()
+    try:
+        router = RouterApp(router_settings(policy, fleet.urls, port=port, policy_options=policy_options))
+        await router.start()
+        try:
+            await wait_ready(router.url, ready_timeout_s)
+            yield DemoStack(router, fleet)
+        finally:
+            await router.stop()
+    finally:
+        await fleet.stop()
+
+
+async def wait_ready(url: str, timeout_s: float) -> None:
+    """Poll ``url``/ready until 200 (a replica is healthy and the router takes work)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last = "no answer"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+        while True:
+            try:
+                async with session.get(url + "/ready") as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last = repr(exc)
+            if loop.time() >= deadline:
+                raise TimeoutError(f"the router at {url} was not ready within {timeout_s:g} s ({last})")
+            await asyncio.sleep(0.1)
