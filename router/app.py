@@ -52,15 +52,6 @@ from .tokens import TokenizerRegistry
 
 log = logging.getLogger("kvroute.router")
 
-# Reasons each policy gives (router/policy/*), so their series exist before the first decision.
-POLICY_REASONS = {
-    "cost_model": ("cache", "load", "balance", "session"),
-    "round_robin": ("round_robin",),
-    "least_loaded": ("load",),
-    "power_of_two": ("load",),
-    "chwbl": ("hash", "balance", "round_robin"),
-    "sglang_cache_aware": ("cache", "load", "balance", "fallback"),
-}
 REQUEST_ID = web.RequestKey("request_id", str)
 _REQUEST_ID_OK = re.compile(r"^[\w.:@/+=-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -124,7 +115,7 @@ class RouterApp:
         self.session = make_upstream_session(self.timeouts)
         self.index = self._given_index or self._make_index()
         self.load = LoadTracker()
-        self.metrics = RouterMetrics(self.policy.name, POLICY_REASONS.get(self.policy.name, ()), s.max_client_labels)
+        self.metrics = RouterMetrics(self.policy.name, self.policy.reasons, s.max_client_labels)
         self.fleet = Fleet(s.fleet, self.session, load=self.load, index=self.index)
         self.fleet.subscribe(self._on_fleet_event)
         self.metrics.bind_replicas(self._replica_gauges)
@@ -319,7 +310,7 @@ class RouterApp:
 
     def _model_label(self, model: Any) -> str:
         """A model name fit for a metric label: only models the fleet serves (no client-made series)."""
-        if isinstance(model, str) and any(model in r.models for r in self.fleet.replicas()):
+        if isinstance(model, str) and self.fleet.serves(model):
             return model
         return "unknown"
 

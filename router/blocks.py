@@ -9,6 +9,7 @@ hashed: engines only cache full blocks.
 from __future__ import annotations
 
 import array
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ _U32 = np.dtype("<u4")
 _ARRAY_OK = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 
+@functools.lru_cache(maxsize=65536)  # per request otherwise; a fleet has few namespaces (tenants)
 def namespace_seed(model: str, lora: str | None = None, cache_salt: str | None = None) -> int:
     """The seed of a chain's first block: one namespace per (model, adapter, tenant salt)."""
     key = "\x1f".join((HASH_SCHEME, model, lora or "", cache_salt or ""))

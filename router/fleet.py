@@ -234,6 +234,10 @@ class Fleet:
             if r.healthy and not r.draining and model in r.models and r.breaker.allow()
         ]
 
+    def serves(self, model: str) -> bool:
+        """Some known replica (healthy or not) serves ``model``."""
+        return any(model in r.models for r in self._replicas.values())
+
     def models(self) -> dict[str, list[Replica]]:
         out: dict[str, list[Replica]] = {}
         for r in self._replicas.values():

@@ -256,6 +256,8 @@ class Proxy:
         """``on_failure(replica, stage)`` with stage connect|first_byte|mid_stream; ``on_success(replica)``."""
         self.session = session
         self.timeouts = timeouts
+        # first-byte and idle timeouts are enforced by forward() itself; only connecting is aiohttp's
+        self._upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s, sock_read=None)
         self.replica_url = replica_url
         self.upstream_headers = upstream_headers
         self.on_failure = on_failure
@@ -272,7 +274,7 @@ class Proxy:
             base + path,
             data=body,
             headers=self._headers(request_id),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s, sock_read=None),
+            timeout=self._upstream_timeout,
         )
 
     async def forward(

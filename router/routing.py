@@ -235,7 +235,7 @@ class Router:
         replicas = self.fleet.eligible(model)
         if replicas:
             return replicas
-        if any(model in r.models for r in self.fleet.replicas()):
+        if self.fleet.serves(model):
             raise ApiError(
                 503,
                 f"no healthy replica is serving model {model!r} right now",

@@ -21,8 +21,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def redis_url() -> str:
+def require_redis() -> str:
+    """REDIS_URL, or a failed test saying Redis is missing (never a silent skip)."""
     import redis
 
     try:
@@ -32,17 +32,27 @@ def redis_url() -> str:
     return REDIS_URL
 
 
-@pytest.fixture
-async def redis_prefix(redis_url):
-    """A unique key prefix; all keys under it are deleted afterwards (never FLUSHDB)."""
-    import redis.asyncio as aioredis
+def delete_keys(prefix: str) -> None:
+    """Delete the keys under one test prefix (the server is shared: never FLUSHDB)."""
+    import redis
 
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return require_redis()
+
+
+@pytest.fixture
+def redis_prefix(redis_url):
+    """A unique key prefix; all keys under it are deleted afterwards."""
     prefix = f"kvroute-test-{uuid.uuid4().hex[:12]}"
     yield prefix
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
+    delete_keys(prefix)

@@ -52,7 +52,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REDIS_URL, free_port
+from tests.conftest import REDIS_URL, delete_keys, free_port, require_redis
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TOKENIZER = REPO / "tests" / "assets" / "tiny-tokenizer"
@@ -451,31 +451,10 @@ async def _make_gap_publisher() -> GapPublisher:
     return GapPublisher()  # its socket belongs to the loop thread
 
 
-def _delete_keys(prefix: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
-
-
-def _require_redis() -> None:
-    import redis
-
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    except Exception as exc:  # noqa: BLE001 - any failure means the same thing here
-        pytest.fail(f"Redis is required at REDIS_URL={REDIS_URL} and is not reachable: {exc}", pytrace=False)
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory):
     _binary("prometheus")
-    _require_redis()
+    require_redis()
     workdir = tmp_path_factory.mktemp("observe")
     prefix = f"kvroute-test-{uuid.uuid4().hex[:12]}"
     loop = LoopThread()
@@ -532,7 +511,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         if runner is not None:
             loop.run(_stop_all(replicas, runner))
         loop.close()
-        _delete_keys(prefix)
+        delete_keys(prefix)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,11 +576,10 @@ KV_EVENT_METRIC = "kvroute_kv_event"
 
 
 def require_kv_event_subscriber(fleet: Fleet) -> None:
-    """The KV-event parts need a router that subscribes to events (router/kvevents wired into the
-    app): its /metrics then carries kvroute_kv_event* series."""
+    """The KV-event parts need the router's KV-event subscriber: its /metrics carries
+    kvroute_kv_event* series from the first scrape."""
     with urllib.request.urlopen(fleet.router_a.url + "/metrics", timeout=5) as resp:
-        if KV_EVENT_METRIC not in resp.read().decode():
-            pytest.skip("the router exports no kvroute_kv_event* metrics: its KV-event subscriber is not wired in")
+        assert KV_EVENT_METRIC in resp.read().decode(), "the router exports no kvroute_kv_event* metrics"
 
 
 def check_queries(fleet: Fleet, queries: list[tuple[str, str, str]]) -> None:

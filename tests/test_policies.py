@@ -566,7 +566,7 @@ def test_every_policy_returns_one_of_the_given_replicas(
         )
         d = policy.choose(req, states)
         assert d.replica in names
-        assert d.matched_blocks >= 0 and isinstance(d.reason, str) and d.reason
+        assert d.matched_blocks >= 0 and d.reason in policy.reasons  # metrics pre-create these series
         policy.on_routed(req, d)
         if len(states) == 1:
             assert d.replica == "r0"

@@ -51,6 +51,8 @@ class Policy(abc.ABC):
     """Pick a replica for a request.  ``replicas`` holds only healthy, eligible ones (non-empty)."""
 
     name: str = ""
+    # every `Decision.reason` the policy can give: metrics create these series at zero
+    reasons: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision: ...

@@ -63,6 +63,7 @@ class _Ring:
 
 class ChwblPolicy(Policy):
     name = "chwbl"
+    reasons = ("hash", "balance", "round_robin")
 
     def __init__(
         self,

@@ -127,6 +127,7 @@ class SessionBook:
 
 class CostModelPolicy(Policy):
     name = "cost_model"
+    reasons = ("cache", "load", "balance", "session")
 
     def __init__(
         self,

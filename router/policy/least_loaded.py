@@ -16,6 +16,7 @@ from .base import Decision, Policy, ReplicaState, RouteRequest
 
 class LeastLoadedPolicy(Policy):
     name = "least_loaded"
+    reasons = ("load",)
 
     def __init__(self, *, seed: int = 0):
         self._rng = random.Random(seed)

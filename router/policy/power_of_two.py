@@ -17,6 +17,7 @@ from .base import Decision, Policy, ReplicaState, RouteRequest
 
 class PowerOfTwoPolicy(Policy):
     name = "power_of_two"
+    reasons = ("load",)
 
     def __init__(self, *, seed: int = 0):
         self._rng = random.Random(seed)

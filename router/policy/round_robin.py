@@ -15,6 +15,7 @@ from .base import Decision, Policy, ReplicaState, RouteRequest
 
 class RoundRobinPolicy(Policy):
     name = "round_robin"
+    reasons = ("round_robin",)
 
     def __init__(self, *, seed: int = 0):
         self._counter = 0  # ``seed`` is accepted for a uniform constructor; nothing is random here

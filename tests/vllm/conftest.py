@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from replica.tiny_model import ensure_model
-from tests.conftest import REDIS_URL
+from tests.conftest import delete_keys, require_redis
 from tests.vllm.support import (
     SMALL_KV_BLOCKS,
     SMALL_KV_MAX_MODEL_LEN,
@@ -91,28 +91,14 @@ def tiny_model_dir(vllm_python: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_redis_url() -> str:
-    import redis
-
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    except Exception as exc:  # noqa: BLE001 - any failure means the same thing here
-        pytest.fail(f"Redis is required at REDIS_URL={REDIS_URL} and is not reachable: {exc}", pytrace=False)
-    return REDIS_URL
+    return require_redis()
 
 
 @pytest.fixture(scope="session")
 def vllm_redis_prefix(vllm_redis_url: str) -> Iterator[str]:
-    import redis
-
     prefix = f"kvroute-test-vllm-{uuid.uuid4().hex[:12]}"
     yield prefix
-    client = redis.Redis.from_url(vllm_redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    delete_keys(prefix)
 
 
 @pytest.fixture(scope="session")
