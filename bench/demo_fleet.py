@@ -3,10 +3,16 @@
 The replica backend is swappable: anything with the `ReplicaFleet` shape (``urls``, ``model``,
 ``describe()``, ``async start()``, ``async stop()``) can stand behind the router.  `EmulatedFleet`
 runs emulated replicas in this process (one shared tokenizer; the engines' timing profile sped
-up or slowed down by ``time_scale``).  `--engine vllm` (issue 4, `make demo-vllm`) plugs in
-through ``replica.vllm.demo_fleet(count, model=..., time_scale=..., profile=...) -> ReplicaFleet``
-once that module provides it (the emulated options may be ignored); until then `fleet_factory`
-raises `EngineUnavailable` with the reason.  Building a fleet starts nothing: ``start()`` does.
+up or slowed down by ``time_scale``).  `--engine vllm` (`make demo-vllm`) plugs in through
+``replica.vllm.demo_fleet(count, model=..., time_scale=..., profile=...)``: real vLLM replicas
+(replica/vllm_fleet.py), which ignore the emulated options.  Building a fleet starts nothing:
+``start()`` does; a start that cannot succeed raises `FleetError` (or `OSError`), saying why.
+
+Two optional parts of the shape: ``tokenizer_dir``, the tokenizer the replicas use (the router
+must cut prompts into the very same tokens; default: the tiny tokenizer), and
+``async reset_caches()``, which empties the replicas' prefix caches in place: a fleet that has
+it is started once and reset before every pass (`running_fleet`, `router_stack`), instead of
+started afresh per pass (`demo_stack`).
 
 `demo_stack` starts the replicas first and the router after them (its first health round then
 finds them up), and stops everything it started, in reverse order, whatever happens in between:
@@ -25,12 +31,13 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from replica.vllm_fleet import FleetError  # noqa: F401 - what a fleet's start() raises: the demo reports it
 from router.app import RouterApp
 from router.config import RouterSettings
 
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / "tests" / "assets" / "tiny-tokenizer"  # the router's and the replicas' tokenizer
+TOKENIZER_DIR = REPO / "tests" / "assets" / "tiny-tokenizer"  # the router's, unless the fleet names its own
 ENGINES = ("emulated", "vllm")
 
 
@@ -116,10 +123,7 @@ def fleet_factory(engine: str) -> FleetFactory:
             raise EngineUnavailable(f"--engine vllm: the vLLM replica launcher cannot be imported ({exc})") from None
         factory = getattr(module, "demo_fleet", None)
         if factory is None:
-            raise EngineUnavailable(
-                "--engine vllm is not available yet: the demo needs replica.vllm.demo_fleet(), which the vLLM "
-                "launcher does not provide (issue 4, `make demo-vllm`); use --engine emulated"
-            )
+            raise EngineUnavailable("--engine vllm: replica.vllm provides no demo_fleet(); use --engine emulated")
         return factory
     raise EngineUnavailable(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
 
@@ -127,6 +131,16 @@ def fleet_factory(engine: str) -> FleetFactory:
 def make_fleet(engine: str, count: int, *, model: str, time_scale: float, profile: str = "default") -> ReplicaFleet:
     """A fleet, not started yet (building one starts nothing: ``start()`` does)."""
     return fleet_factory(engine)(count, model=model, time_scale=time_scale, profile=profile)
+
+
+def resets_in_place(fleet: ReplicaFleet) -> bool:
+    """Whether the fleet can empty its replicas' prefix caches without a restart."""
+    return callable(getattr(fleet, "reset_caches", None))
+
+
+def tokenizer_of(fleet: ReplicaFleet) -> Path:
+    """The tokenizer the fleet's replicas use, which the router must use too (known once started)."""
+    return Path(getattr(fleet, "tokenizer_dir", None) or TOKENIZER_DIR)
 
 
 @dataclass
@@ -140,21 +154,27 @@ class DemoStack:
 
 
 def router_settings(
-    policy: str, replica_urls: list[str], *, port: int = 0, policy_options: Mapping[str, Any] | None = None
+    policy: str,
+    replica_urls: list[str],
+    *,
+    port: int = 0,
+    policy_options: Mapping[str, Any] | None = None,
+    tokenizer_dir: Path = TOKENIZER_DIR,
 ) -> RouterSettings:
     """The demo router: loopback, the given policy, an in-memory index (so every pass starts cold),
-    no client keys; the tiny tokenizer, which the emulated replicas use too (exact block hashes)."""
+    no client keys; the replicas' tokenizer (exact block hashes)."""
     return RouterSettings(
         host="127.0.0.1",
         port=port,
         replicas=replica_urls,
-        tokenizer=str(TOKENIZER_DIR),
+        tokenizer=str(tokenizer_dir),
         policy=policy,
         policy_options=dict(policy_options or {}),
         redis_url=None,
         api_keys=[],
         tenant_isolation=False,
         log_level="warning",
+        health_requires_replica=True,  # --serve: /health is 200 only once a replica can answer
         # Load scraped twice a second (runs are short); health probes patient, since the replicas
         # share this process's event loop: a busy machine delays their answers, it does not kill them.
         fleet={"health_interval_s": 2.0, "health_timeout_s": 5.0, "metrics_interval_s": 0.5, "metrics_timeout_s": 5.0},
@@ -162,7 +182,18 @@ def router_settings(
 
 
 @contextlib.asynccontextmanager
-async def demo_stack(
+async def running_fleet(fleet: ReplicaFleet) -> AsyncIterator[ReplicaFleet]:
+    """The fleet started, and stopped on the way out (an error, a cancellation, a failed start:
+    the fleet's own start() stops what it started before it raises)."""
+    await fleet.start()
+    try:
+        yield fleet
+    finally:
+        await fleet.stop()
+
+
+@contextlib.asynccontextmanager
+async def router_stack(
     policy: str,
     fleet: ReplicaFleet,
     *,
@@ -170,18 +201,24 @@ async def demo_stack(
     policy_options: Mapping[str, Any] | None = None,
     ready_timeout_s: float = 30.0,
 ) -> AsyncIterator[DemoStack]:
-    """Replicas, then a router in front of them; yields once the router's /ready answers 200."""
-    await fleet.start()
+    """A fresh router in front of a started fleet; yields once the router's /ready answers 200."""
+    settings = router_settings(policy, fleet.urls, port=port, policy_options=policy_options,
+                               tokenizer_dir=tokenizer_of(fleet))
+    router = RouterApp(settings)
+    await router.start()
     try:
-        router = RouterApp(router_settings(policy, fleet.urls, port=port, policy_options=policy_options))
-        await router.start()
-        try:
-            await wait_ready(router.url, ready_timeout_s)
-            yield DemoStack(router, fleet)
-        finally:
-            await router.stop()
+        await wait_ready(router.url, ready_timeout_s)
+        yield DemoStack(router, fleet)
     finally:
-        await fleet.stop()
+        await router.stop()
+
+
+@contextlib.asynccontextmanager
+async def demo_stack(policy: str, fleet: ReplicaFleet, **router_options: Any) -> AsyncIterator[DemoStack]:
+    """Replicas, then a router in front of them (``router_options``: `router_stack`'s port,
+    policy_options, ready_timeout_s); yields once the router's /ready answers 200."""
+    async with running_fleet(fleet), router_stack(policy, fleet, **router_options) as stack:
+        yield stack
 
 
 async def wait_ready(url: str, timeout_s: float) -> None:

@@ -3,7 +3,7 @@
 Emulated replicas with ``time_scale`` 0 (no modelled GPU time) run in one child process, the router
 (``kvroute router``, cost_model, the tiny tokenizer, in-memory index) in another, so its CPU time
 is its own; this process is the client.  Each figure is measured side by side in one run, the
-direct request (to a replica) and the routed one (through the router) interleaved:
+direct request (to a replica) and the routed ones (through each router) interleaved:
 
 * added p50 latency, unloaded: one request at a time, non-streamed, ``max_tokens`` 1;
 * added time to first streamed chunk, unloaded, p50;
@@ -13,8 +13,13 @@ direct request (to a replica) and the routed one (through the router) interleave
 Two prompts: (a) a multi-turn chat of ~16 KB whose earlier turns the router has seen, each
 request adding a short new user turn; (b) a ~16 KB chat the router has never seen (each request
 new); and, for scale, (c) a one-line chat: the cost of proxying itself.  Last, the routing
-pipeline's stages are timed in this process (no HTTP) for (a) and (b).  Reference: SGLang's router (Rust, no tokenizer) spends ~230 µs of CPU per 16 KB request
-with its cache-aware policy and adds 0.25-0.45 ms at p50.
+pipeline's stages are timed in this process (no HTTP) for (a) and (b).
+
+The reference is SGLang's router (Rust; it matches characters, no tokenizer), which spends ~230 µs
+of CPU per 16 KB request with its cache-aware policy.  CPU figures depend on the machine, so when
+``sglang-router`` is installed (``make venv-sglang``: ``.venv-sglang``, or ``--sglang-python``) it
+runs here too, in front of the same replicas with ``--policy cache_aware``, measured in the same
+interleaved rounds: the comparison that counts is the one on one machine in one run.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -40,8 +46,10 @@ PROMPT_BYTES = 16 * 1024
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 _REPLICAS_CHILD = """
-import asyncio, sys
+import asyncio, logging, sys
 import uvloop
+# SGLang's router probes its workers for HTTP/2 (gRPC) first: not worth a traceback each
+logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 from replica.emulated.server import EmulatedReplica, ReplicaConfig
 
 async def main(n):
@@ -124,13 +132,16 @@ class Client:
 
 
 async def side_by_side(
-    n: int, case: Case, direct: str, routed: str, measure: Callable[[str, dict], Awaitable[float]]
-) -> tuple[list[float], list[float]]:
-    d, r = [], []
+    n: int, case: Case, direct: str, routers: dict[str, str], measure: Callable[[str, dict], Awaitable[float]]
+) -> tuple[list[float], dict[str, list[float]]]:
+    """``n`` rounds of: the direct request, then the same body through each router."""
+    d: list[float] = []
+    r: dict[str, list[float]] = {name: [] for name in routers}
     for i in range(n):
         body = case.body(i)
         d.append(await measure(direct, body))
-        r.append(await measure(routed, body))
+        for name, url in routers.items():
+            r[name].append(await measure(url, body))
     return d, r
 
 
@@ -151,17 +162,85 @@ def p50_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3
 
 
+SGLANG_VENV = REPO / ".venv-sglang"
+
+
+def sglang_python(explicit: str | None) -> Path | None:
+    """The interpreter that has ``sglang_router``: --sglang-python, else .venv-sglang's, else none."""
+    if explicit:
+        return Path(explicit)
+    candidate = SGLANG_VENV / "bin" / "python"
+    return candidate if candidate.exists() else None
+
+
+async def start_sglang(python: Path, urls: list[str]) -> tuple[asyncio.subprocess.Process, str]:
+    """SGLang's router with its cache-aware policy in front of ``urls``; returns once it answers."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "error",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, cwd=str(REPO),
+    )
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "ready?"}]}
+    deadline = time.monotonic() + 60
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while True:
+            try:
+                async with session.post(url + "/v1/chat/completions", json=body) as r:
+                    if r.status == 200:
+                        return proc, url
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            if proc.returncode is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"SGLang's router ({python}) did not start")
+            await asyncio.sleep(0.5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 async def run(args: argparse.Namespace) -> dict:
     py = sys.executable
-    rep_proc, urls_line = await spawn([py, "-c", _REPLICAS_CHILD, str(args.replicas), MODEL])
-    urls = urls_line.split()
-    router_proc, line = await spawn(
-        [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0", "--replicas", ",".join(urls),
-         "--tokenizer", str(TOKENIZER), "--policy", "cost_model", "--log-level", "warning",
-         "--max-in-flight", "4096"]
-    )
-    router_url = line.rsplit(" ", 1)[-1]
-    results: dict = {"replicas": len(urls), "prompt_bytes": PROMPT_BYTES, "cases": {}}
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        rep_proc, urls_line = await spawn([py, "-c", _REPLICAS_CHILD, str(args.replicas), MODEL])
+        procs.append(rep_proc)
+        urls = urls_line.split()
+        router_proc, line = await spawn(
+            [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0", "--replicas", ",".join(urls),
+             "--tokenizer", str(TOKENIZER), "--policy", "cost_model", "--log-level", "warning",
+             "--max-in-flight", "4096"]
+        )
+        procs.append(router_proc)
+        routers = {"kvroute": line.rsplit(" ", 1)[-1]}
+        pids = {"kvroute": router_proc.pid}
+        sglang = sglang_python(args.sglang_python)
+        if sglang is not None:
+            sg_proc, routers["sglang"] = await start_sglang(sglang, urls)
+            procs.append(sg_proc)
+            pids["sglang"] = sg_proc.pid
+        else:
+            print("SGLang's router is not installed (make venv-sglang): kvroute alone", file=sys.stderr)
+        return await measure_all(args, urls, routers, pids)
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def measure_all(args: argparse.Namespace, urls: list[str], routers: dict[str, str], pids: dict[str, int]) -> dict:
+    results: dict = {"replicas": len(urls), "prompt_bytes": PROMPT_BYTES, "routers": list(routers), "cases": {}}
     rng = np.random.default_rng(args.seed)
     history = conversation(rng, PROMPT_BYTES)
     fresh_rng = np.random.default_rng(args.seed + 1)
@@ -180,49 +259,38 @@ async def run(args: argparse.Namespace) -> dict:
 
     # the short chat is the floor: what proxying costs with (almost) no prompt to tokenize and hash
     cases = [Case("multi_turn_16k_seen", multi_turn), Case("new_16k_unseen", never_seen), Case("short_chat_floor", short)]
-    try:
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
-            client = Client(session)
-            # warm: the router and the direct replica see the conversation's earlier turns
-            for i in range(5):
-                await client.latency(router_url, multi_turn(-1 - i))
-                await client.latency(urls[0], multi_turn(-1 - i))
-                await client.latency(router_url, never_seen(-1 - i))
-                await client.latency(urls[0], never_seen(-1 - i))
-            offset = 0
-            for case in cases:
-                out: dict = {}
-                d, r = await side_by_side(args.requests, case, urls[0], router_url, client.latency)
-                out["direct_p50_ms"], out["routed_p50_ms"] = p50_ms(d), p50_ms(r)
-                out["added_p50_ms"] = p50_ms(r) - p50_ms(d)
-                offset += args.requests
-                d, r = await side_by_side(args.requests, case, urls[0], router_url, client.first_chunk)
-                out["direct_first_chunk_p50_ms"], out["routed_first_chunk_p50_ms"] = p50_ms(d), p50_ms(r)
-                out["added_first_chunk_p50_ms"] = p50_ms(r) - p50_ms(d)
-                # CPU at concurrency: requests built beforehand so the client keeps up
-                n = args.load_requests
-                base = 1_000_000 * (cases.index(case) + 1)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        client = Client(session)
+        # warm: the routers and the direct replica see the conversation's earlier turns
+        for i in range(5):
+            for url in (urls[0], *routers.values()):
+                await client.latency(url, multi_turn(-1 - i))
+                await client.latency(url, never_seen(-1 - i))
+        for n_case, case in enumerate(cases):
+            out: dict = {name: {} for name in routers}
+            d, r = await side_by_side(args.requests, case, urls[0], routers, client.latency)
+            for name in routers:
+                out[name].update(direct_p50_ms=p50_ms(d), routed_p50_ms=p50_ms(r[name]),
+                                 added_p50_ms=p50_ms(r[name]) - p50_ms(d))
+            d, r = await side_by_side(args.requests, case, urls[0], routers, client.first_chunk)
+            for name in routers:
+                out[name].update(direct_first_chunk_p50_ms=p50_ms(d), routed_first_chunk_p50_ms=p50_ms(r[name]),
+                                 added_first_chunk_p50_ms=p50_ms(r[name]) - p50_ms(d))
+            # CPU at concurrency, each router in turn on its own request numbers (new prompts
+            # stay new); bodies built beforehand so that the client keeps up
+            n = args.load_requests
+            for n_router, (name, url) in enumerate(routers.items()):
+                base = 1_000_000 * (n_case + 1) + 100_000 * n_router
                 if case.body is never_seen:
                     for i in range(base, base + n):
                         fresh_texts[i] = text_of(fresh_rng, PROMPT_BYTES)
-                cpu0 = process_cpu_s(router_proc.pid)
-                rps = await under_load(client, router_url, case, n, args.concurrency, base)
-                cpu = process_cpu_s(router_proc.pid) - cpu0
-                out["concurrency"] = args.concurrency
-                out["load_requests"] = n
-                out["routed_rps"] = rps
-                out["router_cpu_us_per_request"] = cpu / n * 1e6
-                results["cases"][case.name] = out
-    finally:
-        for proc in (router_proc, rep_proc):
-            proc.terminate()
-        for proc in (router_proc, rep_proc):
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+                cpu0 = process_cpu_s(pids[name])
+                rps = await under_load(client, url, case, n, args.concurrency, base)
+                cpu = process_cpu_s(pids[name]) - cpu0
+                out[name].update(concurrency=args.concurrency, load_requests=n, routed_rps=rps,
+                                 router_cpu_us_per_request=cpu / n * 1e6)
+            results["cases"][case.name] = out
     return results
 
 
@@ -296,12 +364,19 @@ def print_table(results: dict) -> None:
     print(f"router overhead, {results['replicas']} emulated replicas answering at once, "
           f"{results['prompt_bytes'] // 1024} KB prompts", file=sys.stderr)
     print(f"{'':40}" + "".join(f"{n:>24}" for n in names))
-    for label, key in rows:
-        cells = []
-        for n in names:
-            c = results["cases"][n]
-            cells.append(f"{c[key[0]]:.2f} / {c[key[1]]:.2f}" if isinstance(key, tuple) else f"{c[key]:.2f}")
-        print(f"{label:40}" + "".join(f"{x:>24}" for x in cells))
+    for router in results["routers"]:
+        print(f"{router}")
+        for label, key in rows:
+            cells = []
+            for n in names:
+                c = results["cases"][n][router]
+                cells.append(f"{c[key[0]]:.2f} / {c[key[1]]:.2f}" if isinstance(key, tuple) else f"{c[key]:.2f}")
+            print(f"  {label:38}" + "".join(f"{x:>24}" for x in cells))
+    if "sglang" in results["routers"]:
+        print("kvroute / sglang CPU per request")
+        ratios = (results["cases"][n]["kvroute"]["router_cpu_us_per_request"]
+                  / results["cases"][n]["sglang"]["router_cpu_us_per_request"] for n in names)
+        print(f"  {'':38}" + "".join(f"{x:>23.2f}x" for x in ratios))
     breakdown = results.get("pipeline_us")
     if breakdown:
         print("\nrouting pipeline in-process, µs per request (no HTTP)")
@@ -318,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--sglang-python", default=None,
+                   help="a Python with sglang-router installed (default: .venv-sglang's, if present)")
     args = p.parse_args(argv)
     results = asyncio.run(run(args))
     rng = np.random.default_rng(args.seed)

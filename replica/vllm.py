@@ -26,8 +26,11 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from .vllm_fleet import VllmDemoFleet
 
 Device = Literal["cpu", "gpu"]
 
@@ -235,3 +238,12 @@ def with_free_ports(cfg: VllmReplicaConfig) -> VllmReplicaConfig:
 
 def split_extra_args(text: str | None) -> tuple[str, ...]:
     return tuple(shlex.split(text)) if text else ()
+
+
+def demo_fleet(count: int, *, model: str, time_scale: float = 1.0, profile: str = "default") -> VllmDemoFleet:
+    """`kvroute demo --engine vllm`'s fleet: ``count`` real vLLM replicas of the tiny model
+    (replica/vllm_fleet.py).  Building it starts nothing; real engines keep their own speed, so
+    ``time_scale`` paces only the demo's workload and ``profile`` does not apply."""
+    from .vllm_fleet import VllmDemoFleet  # it imports this module
+
+    return VllmDemoFleet(count, model=model, time_scale=time_scale, profile=profile)

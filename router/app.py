@@ -4,7 +4,8 @@ Endpoints
     POST /v1/completions, /v1/chat/completions   routed (cache-aware), streamed or not
     POST /v1/embeddings, /tokenize, /detokenize  passed to a replica serving the body's model
     GET  /v1/models, /v1/models/{id}             the union of the fleet's models
-    GET  /health                                 the process is alive (200)
+    GET  /health                                 the process is alive (200; with health_requires_replica,
+                                                 503 until a replica is healthy)
     GET  /ready                                  200 once a replica is healthy and not draining, else 503
     GET  /metrics                                Prometheus (kvroute_*)
     GET  /admin/replicas                         replicas and their state      (admin token)
@@ -43,7 +44,7 @@ from .kvevents import KVEventSubscriber
 from .load import LoadTracker
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import make_policy
-from .proxy import Outcome, Proxy, Timeouts, make_upstream_session
+from .proxy import Outcome, Proxy, Timeouts, make_upstream_pool, make_upstream_session
 from .requests import Kind, decode_json_object, parse_request
 from .reconcile import EngineCacheCounters
 from .reuse import ReuseTracker
@@ -112,7 +113,8 @@ class RouterApp:
         self.timeouts = Timeouts(s.connect_timeout_s, s.first_byte_timeout_s, s.idle_timeout_s)
         self.tokenizers = TokenizerRegistry.from_config(s.tokenizers, s.tokenizer)  # bad paths fail now
         self.policy = make_policy(s.policy, **s.policy_options)
-        self.session = make_upstream_session(self.timeouts)
+        self.session = make_upstream_session(self.timeouts)  # the fleet's probes and scrapes
+        self.upstream = make_upstream_pool(self.timeouts)  # proxied requests
         self.index = self._given_index or self._make_index()
         self.load = LoadTracker()
         self.metrics = RouterMetrics(self.policy.name, self.policy.reasons, s.max_client_labels)
@@ -133,7 +135,7 @@ class RouterApp:
             metrics=self.metrics,
         )
         self.proxy = Proxy(
-            self.session,
+            self.upstream,
             self.timeouts,
             replica_url=self._replica_url,
             upstream_headers=self.fleet.upstream_headers,
@@ -221,6 +223,7 @@ class RouterApp:
             await self.kv_events.stop()
         await self.fleet.stop()
         await self.session.close()
+        await self.upstream.close()
         if self._given_index is None:
             await self.index.close()
 
@@ -422,6 +425,8 @@ class RouterApp:
         raise ApiError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.settings.health_requires_replica and not self.fleet.ready():
+            return error_response(503, "no healthy replica yet", code="no_replica_available")
         return web.json_response({"status": "ok"})
 
     async def _ready(self, request: web.Request) -> web.Response:

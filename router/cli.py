@@ -11,7 +11,7 @@ COMMANDS = {
     "sim": ("bench.sim_cli", "main", "fleet simulator: compare routing policies in virtual time"),
     "router": ("router.app", "main", "run the cache-aware router (OpenAI-compatible proxy)"),
     "replica": ("replica.cli", "main", "run a replica: emulated, or real vLLM through the launcher"),
-    "demo": ("bench.demo", "main", "router + emulated replicas on loopback, round_robin vs cost_model"),
+    "demo": ("bench.demo", "main", "router + emulated (or --engine vllm) replicas on loopback, round_robin vs cost_model"),
 }
 
 

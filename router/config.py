@@ -125,6 +125,11 @@ class RouterSettings(BaseSettings):
     idle_timeout_s: float = Field(60.0, gt=0, description="longest silence between two chunks of a stream")
     retry_attempts: int = Field(2, ge=0, description="other replicas tried when one fails before the first byte")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for in-flight requests")
+    health_requires_replica: bool = Field(
+        False,
+        description="/health answers 503 until a replica is healthy (a demo, one host); keep it off for "
+        "Kubernetes liveness probes, which must not restart a router whose replicas are down",
+    )
 
     # -- observability ---------------------------------------------------------------------
     reuse_window_blocks: int = Field(

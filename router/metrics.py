@@ -134,7 +134,7 @@ class RouterMetrics:
         self.index_entries = Gauge("kvroute_index_entries", "prefix-index entries held per replica", ["replica"], registry=r)
         self.index_errors = Counter("kvroute_index_errors", "index calls that failed or timed out", ["op"], registry=r)
         self.index_latency = Histogram(
-            "kvroute_index_latency_seconds", "index call latency", ["op"], buckets=_INDEX_BUCKETS, registry=r
+            "kvroute_index_latency_seconds", "shared (Redis) index call latency; in-process calls are not timed", ["op"], buckets=_INDEX_BUCKETS, registry=r
         )
         # series known from the start
         for reason in reasons:

@@ -8,9 +8,11 @@ For a stream the router therefore waits for the first upstream event before send
 costs nothing (the client waits for that event anyway) and it makes a replica that accepts the
 connection and then dies retryable.
 
+Requests to replicas go through ``UpstreamPool`` (``upstream.py``), a lean keep-alive HTTP/1.1
+client for this one kind of call (aiohttp's client cost several times more CPU per request).
 Streams are relayed as they arrive (``readany``: whatever bytes the socket delivered; each complete
 event is written at once, a partial one waits only for its own end), with TCP_NODELAY on both
-sockets (aiohttp sets it on every connection it makes or accepts; ``_nodelay`` makes sure, once per
+sockets (the pool sets it on each connection it makes; ``_nodelay`` on the client's, once per
 connection), so no event waits on Nagle.  The only parsing is what the router needs: each chunk is
 scanned for a usage object (a regex search, in C) and only events that carry one are decoded, to
 read ``cached_tokens`` and to withhold the usage-only chunk from a client that did not ask for it.
@@ -38,6 +40,7 @@ import msgspec
 from aiohttp import web
 
 from .errors import ApiError, sse_error_event
+from .upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("kvroute.router")
 
@@ -48,9 +51,8 @@ _DONE = b"[DONE]"
 # a usage object (not the "usage": null every OpenAI-style chunk carries): only then decode
 _HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
 # upstream failures that leave nothing to read; retryable while nothing was written to the client
-_UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.IncompleteReadError)
-# failures to open a connection (refused, unreachable, connect timeout), as opposed to later ones
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+# (UpstreamError is an OSError; TimeoutError is asyncio.timeout's)
+_UPSTREAM_ERRORS = (OSError, TimeoutError)
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
@@ -109,7 +111,7 @@ class Attempts(Protocol):
 
 
 def make_upstream_session(timeouts: Timeouts) -> aiohttp.ClientSession:
-    """One pooled session for every replica; per-request timeouts are set on each call."""
+    """One pooled session for the fleet's probes and scrapes (requests go through ``make_upstream_pool``)."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=60)
     return aiohttp.ClientSession(
         connector=connector,
@@ -118,6 +120,11 @@ def make_upstream_session(timeouts: Timeouts) -> aiohttp.ClientSession:
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
         auto_decompress=False,
     )
+
+
+def make_upstream_pool(timeouts: Timeouts) -> UpstreamPool:
+    """The keep-alive connections every proxied request goes through."""
+    return UpstreamPool(timeouts.connect_s, keepalive_s=30.0)
 
 
 _nodelay_done: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
@@ -245,7 +252,7 @@ def _event_json(event: bytes) -> Any:
 class Proxy:
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        pool: UpstreamPool,
         timeouts: Timeouts,
         *,
         replica_url: Callable[[str], str | None],
@@ -254,10 +261,8 @@ class Proxy:
         on_success: Callable[[str], None],
     ):
         """``on_failure(replica, stage)`` with stage connect|first_byte|mid_stream; ``on_success(replica)``."""
-        self.session = session
-        self.timeouts = timeouts
-        # first-byte and idle timeouts are enforced by forward() itself; only connecting is aiohttp's
-        self._upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s, sock_read=None)
+        self.pool = pool
+        self.timeouts = timeouts  # connect is the pool's; first byte and idle are forward()'s own
         self.replica_url = replica_url
         self.upstream_headers = upstream_headers
         self.on_failure = on_failure
@@ -266,16 +271,11 @@ class Proxy:
     def _headers(self, request_id: str) -> dict[str, str]:
         return {**self.upstream_headers(), "Content-Type": "application/json", "X-Request-Id": request_id}
 
-    async def _send(self, replica: str, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
+    async def _send(self, replica: str, path: str, body: bytes, request_id: str) -> UpstreamResponse:
         base = self.replica_url(replica)
         if base is None:  # left the fleet between the decision and now
-            raise aiohttp.ClientConnectionError(f"replica {replica} is gone")
-        return await self.session.post(
-            base + path,
-            data=body,
-            headers=self._headers(request_id),
-            timeout=self._upstream_timeout,
-        )
+            raise UpstreamError(f"replica {replica} is gone")
+        return await self.pool.request(base, path, self._headers(request_id), body)
 
     async def forward(
         self,
@@ -300,7 +300,7 @@ class Proxy:
             sent = time.perf_counter()
             if outcome.sent_at is None:
                 outcome.sent_at = sent
-            upstream: aiohttp.ClientResponse | None = None
+            upstream: UpstreamResponse | None = None
             try:
                 async with asyncio.timeout(self.timeouts.first_byte_s):
                     upstream = await self._send(replica, path, body, request_id)
@@ -319,10 +319,9 @@ class Proxy:
                             data = await upstream.read()
                         upstream.release()
                     else:
-                        _nodelay(upstream.connection.transport if upstream.connection else None)
-                        first = await upstream.content.readany()
+                        first = await upstream.readany()
                         if not first:
-                            raise aiohttp.ServerDisconnectedError("stream ended before its first event")
+                            raise UpstreamDisconnected("stream ended before its first event")
             except asyncio.CancelledError:
                 if upstream is not None:
                     upstream.close()  # the client left before the first byte: abort upstream too
@@ -330,7 +329,7 @@ class Proxy:
             except _UPSTREAM_ERRORS as exc:
                 if upstream is not None:
                     upstream.close()
-                stage = "connect" if isinstance(exc, _CONNECT_ERRORS) else "first_byte"
+                stage = "connect" if isinstance(exc, UpstreamConnectError) else "first_byte"
                 last_status = 504 if isinstance(exc, TimeoutError) else 502
                 last_error = f"replica {replica} failed before answering ({stage}): {_describe(exc)}"
                 log.warning("request %s: %s", request_id, last_error)
@@ -353,7 +352,7 @@ class Proxy:
 
     @staticmethod
     def _whole_response(
-        upstream: aiohttp.ClientResponse, data: bytes, headers: dict[str, str], outcome: Outcome
+        upstream: UpstreamResponse, data: bytes, headers: dict[str, str], outcome: Outcome
     ) -> web.Response:
         status = upstream.status
         outcome.status = status
@@ -368,13 +367,13 @@ class Proxy:
             if isinstance(payload, dict):
                 outcome.usage = Usage.from_json(payload.get("usage"))
         resp = web.Response(status=status, body=data, headers=headers)
-        resp.headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
+        resp.headers["Content-Type"] = upstream.headers.get("content-type", "application/json")
         return resp
 
     async def _relay_stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         first: bytes,
         replica: str,
         headers: dict[str, str],
@@ -387,19 +386,22 @@ class Proxy:
         resp.headers["Cache-Control"] = "no-cache"
         outcome.status = upstream.status
         failed: str | None = None
+        drained = False
         try:
             _nodelay(request.transport)
             await resp.prepare(request)
             chunk = first
             idle = self.timeouts.idle_s
-            content = upstream.content
+            readany = upstream.readany
             while chunk:
                 out = relay.feed(chunk)
                 if out:
                     await resp.write(out)  # a client that left raises here: nothing to tell it
+                if relay.done:
+                    break  # [DONE]: the client has its answer; the upstream's end is read after
                 try:
                     async with asyncio.timeout(idle):
-                        chunk = await content.readany()
+                        chunk = await readany()
                 except TimeoutError:
                     failed = f"replica {replica} sent nothing for {idle:g} s"
                     break
@@ -418,10 +420,22 @@ class Proxy:
                 self.on_failure(replica, "mid_stream")
                 outcome.extra["mid_stream_error"] = failed
                 await resp.write(sse_error_event(failed))
-            await resp.write_eof()
+            try:
+                await resp.write_eof()
+            except ConnectionResetError:
+                if failed is not None or not relay.done:
+                    raise
+                # the client had the whole answer and hung up before the response's last chunk
+            if relay.done and failed is None:
+                # the client is answered: the body's end is read off its path (a client that
+                # leaves now would cancel this handler), so the connection goes back to the pool
+                _in_background(_drain(upstream))
+                drained = True
         finally:
             outcome.usage = relay.usage
-            if relay.done and failed is None:
+            if drained:
+                pass
+            elif relay.done and failed is None:
                 upstream.release()
             else:
                 upstream.close()  # aborts the request on the engine if it is still running
@@ -456,9 +470,39 @@ class _FixedOrder:
         pass
 
 
+_background: set[asyncio.Task[None]] = set()
+
+
+def _in_background(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)  # the loop keeps only weak references to tasks
+    task.add_done_callback(_background.discard)
+
+
+async def _drain(upstream: UpstreamResponse, timeout_s: float = 1.0) -> None:
+    """Read what follows [DONE] (the body's end, usually already here), so that the connection
+    goes back to the pool; a replica slow to end it loses the connection instead."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while await upstream.readany():
+                pass
+    except (TimeoutError, *_UPSTREAM_ERRORS):
+        upstream.close()
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-__all__ = ["Attempts", "Outcome", "Proxy", "SseRelay", "Timeouts", "Usage", "make_upstream_session", "normalize_error_body"]
+__all__ = [
+    "Attempts",
+    "Outcome",
+    "Proxy",
+    "SseRelay",
+    "Timeouts",
+    "Usage",
+    "make_upstream_pool",
+    "make_upstream_session",
+    "normalize_error_body",
+]

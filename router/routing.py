@@ -296,6 +296,8 @@ class Router:
     async def _lookup(self, chain: list[int]) -> dict[str, int]:
         if not chain:
             return {}
+        if self.index.in_process:
+            return self.index.lookup_now(chain)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.settings.index_timeout_s):
@@ -321,7 +323,11 @@ class Router:
         self.load.on_routed(plan.load_key, replica, uncached)
         self.metrics.decision(reason)
         for chain in plan.chains:
-            if chain:
+            if not chain:
+                continue
+            if self.index.in_process:
+                self.index.record_prediction_now(replica, chain)
+            else:
                 self._write(plan, self.index.record_prediction(replica, chain))
 
     def _write(self, plan: RoutePlan, call: Awaitable[None]) -> None:

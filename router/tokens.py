@@ -294,9 +294,34 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _TemplateEnvironment(ImmutableSandboxedEnvironment):
+    """vLLM's sandbox, with its per-access safety verdict remembered.
+
+    The sandbox asks ``is_safe_attribute`` on every attribute a template reads (``message.get``
+    on each message, each render); the verdict depends only on the object's type and the
+    attribute's name (``is_internal_attribute`` and ``modifies_known_mutable`` test both and
+    nothing else), so it is computed once per pair.
+    """
+
+    _MAX_VERDICTS = 4096  # names come from templates; a bound all the same
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._verdicts: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = super().is_safe_attribute(obj, attr, value)
+            if len(self._verdicts) < self._MAX_VERDICTS:
+                self._verdicts[key] = verdict
+        return verdict
+
+
 @lru_cache(maxsize=32)
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -352,7 +377,14 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], content_format: Li
     from JSON, empty lists dropped) and reasoning; a tool message's tool_call_id.
     """
     out = []
+    plain = content_format == "string"
     for message in messages:
+        # the common message, {"role": "...", "content": "..."}: nothing to flatten or carry over
+        if plain and type(message) is dict and len(message) == 2:
+            role, content = message.get("role"), message.get("content")
+            if type(role) is str and type(content) is str:
+                out.append({"role": role, "content": content})
+                continue
         if not isinstance(message, Mapping):
             raise ChatTemplateError("each message must be an object")
         role = message.get("role")

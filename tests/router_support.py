@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import openai
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from replica.emulated.server import EmulatedReplica, ReplicaConfig
@@ -133,3 +134,36 @@ def total(samples: dict, name: str, **labels: str) -> float:
     """Sum over the series of ``name`` whose labels include ``labels``."""
     want = set(labels.items())
     return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+
+class ScriptedReplica:
+    """A real HTTP server that answers probes like a replica serving MODEL; a subclass scripts
+    its chat endpoint (``chat``) to misbehave in one precise way."""
+
+    def __init__(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._ok)
+        app.router.add_get("/metrics", self._ok)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
+        self.url = ""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def __aenter__(self) -> Any:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()

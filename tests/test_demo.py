@@ -21,6 +21,7 @@ import pytest
 
 from bench import demo, sim_cli
 from bench.demo_chat import ChatConfig, build_workload
+from bench.demo_fleet import fleet_factory, make_fleet, resets_in_place
 from bench.sim import METRIC_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,13 +95,57 @@ def test_demo_json_has_the_sim_keys_and_counts_every_request(capsys):
     assert listening_sockets_of_this_process() == before  # nothing left listening
 
 
-def test_engine_vllm_exits_2_until_the_launcher_provides_a_demo_fleet(capsys):
-    if hasattr(importlib.import_module("replica.vllm"), "demo_fleet"):
-        pytest.skip("replica.vllm provides demo_fleet: --engine vllm runs for real")
-    assert demo.main(["--engine", "vllm", "--json"]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert "--engine vllm" in captured.err and "emulated" in captured.err
+def child_processes() -> set[int]:
+    """Live children of this process, from /proc (every thread's list)."""
+    children: set[int] = set()
+    for path in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            children.update(int(pid) for pid in path.read_text().split())
+    return children
+
+
+def test_engine_vllm_builds_a_fleet_of_real_replicas_and_building_starts_nothing():
+    before = child_processes()
+    fleet = make_fleet("vllm", 2, model="demo", time_scale=0.5, profile="default")
+    assert fleet_factory("vllm") is importlib.import_module("replica.vllm").demo_fleet
+    assert (fleet.model, fleet.urls) == ("demo", [])
+    assert "2 vLLM replicas" in fleet.describe() and "no timing profile" in fleet.describe()
+    assert resets_in_place(fleet)  # one start for both passes, caches emptied before each
+    assert not resets_in_place(make_fleet("emulated", 2, model="demo", time_scale=0.5))  # a fresh fleet per pass
+    assert child_processes() == before  # no launcher, no vLLM, no install
+
+
+def test_engine_defaults_emulated_unchanged_vllm_smaller():
+    emulated = demo.parse_args([])
+    assert (emulated.replicas, emulated.sessions, emulated.session_rate, emulated.time_scale) == (4, 160, 8.0, 0.5)
+    assert emulated.chat == ChatConfig()
+    vllm = demo.parse_args(["--engine", "vllm"])
+    assert (vllm.replicas, vllm.sessions, vllm.session_rate, vllm.time_scale) == (2, 40, 1.0, 1.0)
+    assert vllm.chat.turns[0] >= 3  # multi-turn: later turns re-send what an earlier one cached
+    assert demo.parse_args(["--engine", "vllm", "--serve"]).time_scale == demo.SERVE_TIME_SCALE
+    assert demo.parse_args(["--engine", "vllm", "--replicas", "3"]).replicas == 3
+
+
+def test_vllm_workload_fits_the_tiny_models_context():
+    """The longest prompt of the default --engine vllm workload (every user turn, and replies
+    counted at twice their max_tokens) stays within the tiny model's context: vLLM would
+    answer a longer one with HTTP 400."""
+    from tokenizers import Tokenizer
+
+    from replica.tiny_model import ModelShape
+
+    tok = Tokenizer.from_file(str(REPO / "tests" / "assets" / "tiny-tokenizer" / "tokenizer.json"))
+    args = demo.parse_args(["--engine", "vllm"])
+    workload = build_workload(args.seed, args.sessions, args.session_rate, args.chat)
+    system = [len(tok.encode(text).ids) for text in workload.system_prompts]
+    longest = 0
+    for conv in workload.conversations:
+        tokens = system[conv.system]
+        for turn in conv.turns:
+            tokens += len(tok.encode(turn.user_text).ids) + 8  # + the chat template's markers
+            longest = max(longest, tokens + turn.max_tokens)
+            tokens += 2 * turn.max_tokens
+    assert 3000 < longest < ModelShape().max_position_embeddings
 
 
 def test_bad_options_are_rejected():

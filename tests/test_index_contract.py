@@ -377,6 +377,16 @@ chains = st.one_of(
 )
 names = st.sampled_from(NAMES)
 replica_specs = st.builds(ReplicaSpec, names, st.integers(0, 8), st.booleans())
+@pytest.mark.parametrize("gap", [1, 7, 8, 9, 12, 16, 17, 31, 32, 33, 63])
+async def test_a_gap_anywhere_in_a_long_chain_stops_the_count(backend, gap):
+    # the memory index probes blocks 8, 16, 32, ... before it scans: gaps on and between probes
+    index = await index_with(backend, spec("a", events=True), spec("b"))
+    chain = list(range(1, 71))
+    await index.confirm("a", chain[:gap] + chain[gap + 1 :])
+    await index.record_prediction("b", chain[:3])
+    assert await index.lookup(chain) == {"a": gap, "b": 3}
+
+
 common_ops = [
     st.tuples(st.just("add_replica"), replica_specs),
     st.tuples(st.just("remove_replica"), names),

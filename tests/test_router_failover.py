@@ -9,10 +9,12 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from tests.router_support import (
     MODEL,
     ReplicaProcess,
+    ScriptedReplica,
     emulated_replicas,
     openai_client,
     running_router,
@@ -123,3 +125,41 @@ async def test_client_disconnect_aborts_upstream_request():
 async def _running(url: str) -> float:
     samples = await scrape(url)
     return total(samples, "vllm:num_requests_running")
+
+
+class LingeringReplica(ScriptedReplica):
+    """Its stream sends [DONE] and then waits before ending the HTTP response."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        usage = {"prompt_tokens": 7, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+        await resp.write(b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')
+        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.5)  # the client has everything and leaves in the meantime
+        await resp.write_eof()
+        return resp
+
+
+async def test_client_that_leaves_after_done_is_counted_as_answered(caplog):
+    async with LingeringReplica() as rep, running_router([rep.url]) as app:
+        host, port = app.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps({"model": MODEL, "messages": MSGS, "stream": True}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n"), 5)
+        writer.close()  # gone before the response's last chunk
+        assert b'"content": "a"' in received
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            samples = await scrape(app.url)
+            if total(samples, "kvroute_requests_total", status="200"):
+                break
+            await asyncio.sleep(0.05)
+        assert total(samples, "kvroute_requests_total", status="200") == 1
+        assert total(samples, "kvroute_requests_total") == 1
+        assert sample(samples, "kvroute_reuse_delivered_tokens_total", model=MODEL) == 0
+        assert sample(samples, "kvroute_in_flight") == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from router.app import RouterApp
+from tests.conftest import free_port
 from tests.router_support import MODEL, REPO, TINY_TOKENIZER, emulated_replicas, router_settings, running_router
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 40, "stream": True}
@@ -69,3 +70,19 @@ async def test_port_in_use_fails_start_and_leaves_nothing_open():
             with pytest.raises(OSError):
                 await second.start()
             assert second.session.closed
+
+
+async def test_health_can_require_a_healthy_replica():
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    async with aiohttp.ClientSession() as http:
+        async with running_router([dead]) as app:  # default: liveness only
+            async with http.get(app.url + "/health") as resp:
+                assert resp.status == 200
+        async with running_router([dead], health_requires_replica=True) as app:
+            async with http.get(app.url + "/health") as resp:
+                assert resp.status == 503
+                assert (await resp.json())["error"]["code"] == "no_replica_available"
+        async with emulated_replicas(1) as (rep,):
+            async with running_router([rep.url], health_requires_replica=True) as app:
+                async with http.get(app.url + "/health") as resp:
+                    assert resp.status == 200

@@ -9,30 +9,26 @@ import json
 import aiohttp
 from aiohttp import web
 
-from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, sample, scrape
+from tests.router_support import (
+    MODEL,
+    ScriptedReplica,
+    emulated_replicas,
+    openai_client,
+    running_router,
+    sample,
+    scrape,
+)
 
 
-class StuckReplica:
-    """A real HTTP server that answers probes like a replica but never finishes a generation."""
+class StuckReplica(ScriptedReplica):
+    """Answers probes like a replica but never finishes a generation."""
 
     def __init__(self, first_event: bool):
+        super().__init__()
         self.first_event = first_event  # send one SSE event before going silent
         self.hits = 0
-        app = web.Application()
-        app.router.add_get("/health", self._ok)
-        app.router.add_get("/metrics", self._ok)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/chat/completions", self._stuck)
-        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
-        self.url = ""
 
-    async def _ok(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    async def _stuck(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -40,16 +36,6 @@ class StuckReplica:
             await resp.write(b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')
         await asyncio.sleep(3600)
         return resp
-
-    async def __aenter__(self) -> StuckReplica:
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.runner.cleanup()
 
 
 async def test_no_first_byte_times_out_and_fails_over():

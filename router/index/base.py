@@ -27,6 +27,18 @@ class ReplicaSpec:
 class PrefixIndex(abc.ABC):
     """One interface, two backends (memory for one router, Redis for several)."""
 
+    # True for a backend in this process: its calls never wait on I/O, so the router calls the
+    # synchronous twins below directly (no timeout, no task per write).
+    in_process: bool = False
+
+    def lookup_now(self, chain: Sequence[int]) -> dict[str, int]:
+        """``lookup`` without awaiting; only backends with ``in_process`` provide it."""
+        raise NotImplementedError
+
+    def record_prediction_now(self, replica: str, chain: Sequence[int]) -> None:
+        """``record_prediction`` without awaiting; only backends with ``in_process`` provide it."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     async def add_replica(self, spec: ReplicaSpec) -> None:
         """Register or update a replica's capacity and event mode (idempotent)."""

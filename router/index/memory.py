@@ -13,12 +13,14 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 from .base import PrefixIndex, ReplicaSpec
 
 # An entry's value is its expiry time; these two mark entries that never expire.
 CONFIRMED = -1.0
 PINNED = math.inf  # predicted, on a replica without KV events
+ABSENT = 0.0  # what a lookup reads for a block not held: an expiry long past, so never live
 
 
 class _Replica:
@@ -34,21 +36,37 @@ def _live(expiry: float, now: float) -> bool:
     return expiry == CONFIRMED or expiry > now
 
 
-def _live_run(expiries: list[float | None], now: float) -> int:
-    """Length of the leading run of live entries (None: the block is not held); the first is live."""
-    try:
-        held = expiries.index(None)
-        expiries = expiries[:held]
-    except ValueError:
-        held = len(expiries)
-    if expiries.count(expiries[0]) == held:
-        return held  # all one value (pinned, confirmed, or one prediction), and the head is live
-    # one write gives a whole chain the same expiry, so there are few distinct values to check
-    dead = [e for e in set(expiries) if not _live(e, now)]  # type: ignore[arg-type]
+def _live_run(expiries: list[float], now: float) -> int:
+    """Length of the leading run of live entries (ABSENT where a block is not held); the first is live."""
+    first = expiries[0]
+    n = len(expiries)
+    if expiries.count(first) == n:
+        return n  # all one value (pinned, confirmed, or one prediction), and the head is live
+    # A float list searched for a float stays on the fast path (no None comparisons).  One write
+    # gives a whole chain the same expiry, so there are few distinct values to check.
+    held = expiries.index(ABSENT) if ABSENT in expiries else n
+    expiries = expiries[:held]
+    dead = [e for e in set(expiries) if not _live(e, now)]
     return min(map(expiries.index, dead)) if dead else held
 
 
+def _run_bound(entries: dict[int, float], chain: Sequence[int], now: float) -> int:
+    """A length the leading live run cannot exceed: the position of the first of blocks 8, 16,
+    32, ... found not live, else the whole chain.  Replicas that share only a chain's head (a common system
+    prompt) then cost a few lookups instead of one per block of the chain."""
+    n = len(chain)
+    probe = 8
+    while probe < n:
+        expiry = entries.get(chain[probe], ABSENT)
+        if not _live(expiry, now):
+            return probe
+        probe *= 2
+    return n
+
+
 class MemoryIndex(PrefixIndex):
+    in_process = True
+
     def __init__(self, predicted_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self.predicted_ttl_s = predicted_ttl_s
         self.clock = clock
@@ -91,6 +109,9 @@ class MemoryIndex(PrefixIndex):
 
     # -- lookups --------------------------------------------------------------------------
     async def lookup(self, chain: Sequence[int]) -> dict[str, int]:
+        return self.lookup_now(chain)
+
+    def lookup_now(self, chain: Sequence[int]) -> dict[str, int]:
         if not chain:
             return {}
         now = self.clock()
@@ -99,11 +120,15 @@ class MemoryIndex(PrefixIndex):
         for name, rep in self._replicas.items():
             first = rep.entries.get(head)
             if first is not None and _live(first, now):
-                matched[name] = _live_run(list(map(rep.entries.get, chain)), now)
+                end = _run_bound(rep.entries, chain, now)
+                matched[name] = _live_run(list(map(rep.entries.get, chain[:end], repeat(ABSENT))), now)
         return matched
 
     # -- writes ---------------------------------------------------------------------------
     async def record_prediction(self, replica: str, chain: Sequence[int]) -> None:
+        self.record_prediction_now(replica, chain)
+
+    def record_prediction_now(self, replica: str, chain: Sequence[int]) -> None:
         rep = self._replicas.get(replica)
         if rep is None or not chain:
             return
