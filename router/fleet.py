@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import aiohttp
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .aio import cancel_and_wait
 from .breaker import BreakerState, CircuitBreaker
@@ -42,6 +42,8 @@ FleetEvent = Literal["joined", "left", "up", "down", "restarted", "changed"]
 
 
 class FleetSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting is an error, as at the top level
+
     replicas: list[str] = []  # static base URLs, e.g. http://127.0.0.1:8001
     discovery_redis: bool = False  # read registrations from Redis (needs redis_url)
     redis_url: str | None = None

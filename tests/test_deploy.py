@@ -129,10 +129,11 @@ def test_compose_replica_commands_are_valid_launcher_arguments(compose):
     from replica.cli import build_parser
 
     emulated = compose["emulated"]["services"]["replica-emulated"]
-    assert emulated["entrypoint"] == ["kvroute"] and emulated["command"][0] == "replica"
-    args = build_parser().parse_args(emulated["command"][1:])
+    args = build_parser().parse_args(launched_args(emulated))
     assert (args.engine, args.port, args.host) == ("emulated", 8000, "0.0.0.0")
     assert args.tokenizer == "/opt/kvroute/tokenizers/tiny" and args.events_endpoint == "tcp://*:5557"
+    assert args.advertise_host  # registered in Redis under the container's IP, found at start
+    assert emulated["environment"]["KVROUTE_REDIS_URL"] == services_env(compose, "router-1")["KVROUTE_REDIS_URL"]
     assert emulated["deploy"]["replicas"] >= 2
     for name in PROFILES["gpu"]:
         gpu = compose["gpu"]["services"][name]

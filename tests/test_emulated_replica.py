@@ -621,3 +621,71 @@ async def test_cli_serves_until_sigterm(http):
         if proc.poll() is None:
             proc.kill()
         proc.communicate()  # reaps it and closes its pipes
+
+
+async def test_cli_registers_in_redis_and_routers_follow_its_events(http, redis_url, redis_prefix):
+    import redis.asyncio as aioredis
+
+    from router.app import RouterApp
+    from router.config import RouterSettings
+    from router.registry import list_replicas
+
+    port, events_port, replay_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from replica.cli import main; sys.exit(main(sys.argv[1:]))",
+         "--engine", "emulated", "--model", MODEL, "--host", "0.0.0.0", "--port", str(port),
+         "--advertise-host", "127.0.0.1", "--profile", "cpu-tiny", "--tokenizer", str(TINY_TOKENIZER),
+         "--events-endpoint", f"tcp://*:{events_port}", "--replay-endpoint", f"tcp://*:{replay_port}",
+         "--redis-url", redis_url, "--redis-key-prefix", redis_prefix, "--drain-grace", "0.2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+        url = f"http://127.0.0.1:{port}"
+        assert line.startswith(url), (line, proc.stderr.read() if proc.poll() else "")
+        (record,) = await list_replicas(redis, redis_prefix)  # registered before the ready line
+        assert (record.url, record.engine, record.model) == (url, "emulated", MODEL)
+        assert record.events_endpoint == f"tcp://127.0.0.1:{events_port}"
+        assert record.replay_endpoint == f"tcp://127.0.0.1:{replay_port}"
+        assert record.block_size and record.capacity_blocks
+
+        # a router that knows no replica finds it in Redis and confirms its blocks from its events
+        settings = RouterSettings(
+            host="127.0.0.1", port=0, replicas=[], tokenizer=str(TINY_TOKENIZER), redis_url=redis_url,
+            redis_key_prefix=redis_prefix, log_level="warning",
+            fleet={"discovery_redis": True, "redis_url": redis_url, "redis_key_prefix": redis_prefix,
+                   "health_interval_s": 0.2},
+        )
+        router = RouterApp(settings)
+        await router.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+            for _ in range(100):
+                async with http.get(router.url + "/ready") as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            words = " ".join(f"word{i}" for i in range(200))
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=2)
+            applied = 0.0
+            for _ in range(100):
+                async with http.get(router.url + "/metrics") as resp:
+                    text = await resp.text()
+                applied = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                              if s.name == "kvroute_kv_events_applied_total" and s.labels.get("replica") == url)
+                if applied:
+                    break
+                await asyncio.sleep(0.1)
+            assert applied > 0
+            await client.close()
+        finally:
+            await router.stop()
+
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+        assert await list_replicas(redis, redis_prefix) == []  # deregistered on the way out
+    finally:
+        await redis.aclose()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()

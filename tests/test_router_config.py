@@ -60,9 +60,10 @@ def test_json_config_via_env_path(tmp_path, monkeypatch):
     assert s.retry_attempts == 4
 
 
-def test_unknown_config_key_is_an_error(tmp_path):
+@pytest.mark.parametrize("text", ["prot = 8000\n", "[fleet]\nhelth_interval_s = 1.0\n"])
+def test_unknown_config_key_is_an_error(tmp_path, text):
     cfg = tmp_path / "router.toml"
-    cfg.write_text("prot = 8000\n")
+    cfg.write_text(text)
     with pytest.raises(ValidationError):
         load_settings(["--config", str(cfg)])
 
