@@ -6,6 +6,10 @@ events (never expire) and predicted on replicas with events (expire; not yet con
 Writes: a fresh 512-block chain predicted on a replica whose capacity is already full (so each
 write also evicts 512 entries), the same chain predicted again (a renewal), and a fresh chain
 predicted then confirmed (one request plus its BlockStored events).
+Shared chain (memory backend only): a 400-block chain held whole by 1, 4 and 16 replicas (a hot
+conversation), among 200 other chains; ``lookup_now`` of it, and ``record_prediction_now`` of it
+plus 4 new blocks on one holder (the next turn: 400 blocks touched, 4 added), for replicas with
+KV events (TTL predictions) and without (predictions that never expire).
 Memory: N entries written under the bench's own key prefix, MEMORY USAGE summed over its keys
 and divided by N, for confirmed entries, TTL predictions and predictions that never expire.
 All keys are deleted afterwards; the shared server is never flushed.
@@ -28,6 +32,8 @@ from router.index import MemoryIndex, PrefixIndex, RedisIndex, ReplicaSpec
 
 CHAIN_BLOCKS = 512
 REPLICAS = 8
+SHARED_BLOCKS = 400
+SHARED_HOLDERS = (1, 4, 16)
 
 
 def random_chain(rng: random.Random, n: int = CHAIN_BLOCKS) -> list[int]:
@@ -87,6 +93,44 @@ async def speed(index: PrefixIndex, repeat: int) -> dict[str, tuple[float, float
     return out
 
 
+def timed_now(call: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """``timed`` for a synchronous call."""
+    for _ in range(min(100, repeat)):
+        call()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        call()
+        samples.append((time.perf_counter_ns() - t0) / 1e3)
+    samples.sort()
+    return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
+
+
+async def shared_chain(repeat: int) -> dict[str, tuple[float, float]]:
+    """One hot chain held whole by several replicas: what a lookup and the next turn's write cost."""
+    rng = random.Random(2)
+    out = {}
+    for events, label in ((True, "TTL"), (False, "no TTL")):
+        for holders in SHARED_HOLDERS:
+            index = MemoryIndex()
+            names = [f"r{i}" for i in range(holders)]
+            for name in names:
+                await index.add_replica(ReplicaSpec(name, 1_000_000, publishes_events=events))
+            for i in range(200):  # other conversations: the maps are not tiny
+                index.record_prediction_now(names[i % holders], random_chain(rng, SHARED_BLOCKS))
+            chain = random_chain(rng, SHARED_BLOCKS)
+            for name in names:
+                index.record_prediction_now(name, chain)
+            assert index.lookup_now(chain) == dict.fromkeys(names, SHARED_BLOCKS)
+            case = f"{SHARED_BLOCKS} blocks held by {holders:>2} ({label})"
+            out[f"lookup_now, {case}"] = timed_now(lambda c=chain, i=index: i.lookup_now(c), repeat)
+            turns = iter([chain + random_chain(rng, 4) for _ in range(repeat + 100)])
+            out[f"record_prediction_now +4, {case}"] = timed_now(
+                lambda t=turns, i=index: i.record_prediction_now("r0", next(t)), repeat
+            )
+    return out
+
+
 async def keys_under(client: aioredis.Redis, prefix: str) -> list[bytes]:
     return [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
 
@@ -128,6 +172,10 @@ async def run_redis(url: str, repeat: int, entries: int) -> tuple[dict, dict[str
 
 
 async def main_async(args: argparse.Namespace) -> None:
+    print(f"{'memory backend, synchronous calls':<60}{'p50 us':>10}{'p99 us':>10}")
+    for op, (p50, p99) in (await shared_chain(args.repeat)).items():
+        print(f"{op:<60}{p50:>10.1f}{p99:>10.1f}")
+    print()
     rows = {"memory": await speed(MemoryIndex(), args.repeat)}
     rows["redis"], memory = await run_redis(args.redis_url, args.repeat, args.entries)
     print(f"{'operation':<52}{'backend':<9}{'p50 us':>10}{'p99 us':>10}")

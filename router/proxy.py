@@ -315,8 +315,7 @@ class Proxy:
                         replica = attempts.failover()
                         continue
                     if upstream.status >= 400 or not stream:
-                        async with asyncio.timeout(self.timeouts.idle_s):
-                            data = await upstream.read()
+                        data = await upstream.read()  # whole: within the first-byte timeout
                         upstream.release()
                     else:
                         first = await upstream.readany()

@@ -1,67 +1,86 @@
 """In-memory prefix index, for a single router (and the simulator, on a virtual clock).
 
 Each replica keeps one ordered map, block hash -> expiry, least recently used first: it is the
-LRU and the entry store at once, so a write touches one dict per block, and a lookup reads a
-replica's whole run with ``map(entries.get, chain)`` (a C loop) and finds where it ends with list
-methods, also C, instead of walking the chain block by block in Python.  Fleets have a handful to
-a few hundred replicas, and each one not holding the chain's head costs one ``get``.
+LRU and the entry store at once, so a write touches one dict per block.
+
+Next to them, one map block hash -> bitmask of the replicas holding it (each replica owns one bit
+while it is registered, and a bit freed by a removed replica goes to the next one added).  A
+lookup reads one mask per block of the chain, whatever the number of replicas, in one C loop
+(``itemgetter``): a hot conversation held whole by several replicas costs one probe per block,
+not one per block and replica.  Masks are Python ints, so there is no limit on replicas and no
+slower path past 64 of them.  A replica's run ends at the first mask without its bit: ``count``
+tells when every block has the same holders (the common case); else, with few distinct masks
+(replicas sharing a system prompt, one holding the conversation after it), ``list.index`` finds
+where each first appears, and with more, a running AND of the masks (``accumulate``), which only
+ever loses bits and so never increases, is bisected.  Before any of that, probes of blocks 8, 16,
+32, ... and the last bound the scan, so replicas sharing only a chain's head cost a few probes and
+a new turn's blocks, held by nobody yet, are not read.
+
+The masks say "held", not "live": a TTL prediction past its expiry stays until it is purged.
+So a lookup first purges the expired predictions of the replicas holding the chain's head, then
+trusts the masks.  Purging is a walk from the front of a deque because each replica's
+predictions are kept in expiry order (if the clock steps back, they are re-sorted).  Only
+entries that appear or go touch the masks, in bulk C maps: renewing the blocks of a conversation
+seen before costs nothing extra, and a new block or an eviction costs one more dict operation.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from itertools import repeat
+from itertools import accumulate, compress, repeat
+from operator import and_, itemgetter, neg, or_
 
 from .base import PrefixIndex, ReplicaSpec
 
 # An entry's value is its expiry time; these two mark entries that never expire.
 CONFIRMED = -1.0
 PINNED = math.inf  # predicted, on a replica without KV events
-ABSENT = 0.0  # what a lookup reads for a block not held: an expiry long past, so never live
+
+MEMBERS_MEMO_SIZE = 4096  # distinct holder masks whose replica lists are kept
+FEW_HOLDER_SETS = 4  # up to this many distinct masks in a run, ``list.index`` finds where each starts
 
 
 class _Replica:
-    __slots__ = ("spec", "entries", "expiries")
+    __slots__ = ("spec", "bit", "entries", "expiries")
 
-    def __init__(self, spec: ReplicaSpec):
+    def __init__(self, spec: ReplicaSpec, bit: int):
         self.spec = spec
+        self.bit = bit  # 1 << its position in MemoryIndex._by_bit
         self.entries: OrderedDict[int, float] = OrderedDict()  # block hash -> expiry, least recent first
-        self.expiries: deque[tuple[float, int]] = deque()  # (expiry, hash) of TTL predictions
+        self.expiries: deque[tuple[float, int]] = deque()  # (expiry, hash) of TTL predictions, in expiry order
 
 
-def _live(expiry: float, now: float) -> bool:
-    return expiry == CONFIRMED or expiry > now
+def _bound(holders: dict[int, int], chain: Sequence[int], head: int) -> int:
+    """A length no run of the head's holders exceeds, usually the longest run itself.
 
-
-def _live_run(expiries: list[float], now: float) -> int:
-    """Length of the leading run of live entries (ABSENT where a block is not held); the first is live."""
-    first = expiries[0]
-    n = len(expiries)
-    if expiries.count(first) == n:
-        return n  # all one value (pinned, confirmed, or one prediction), and the head is live
-    # A float list searched for a float stays on the fast path (no None comparisons).  One write
-    # gives a whole chain the same expiry, so there are few distinct values to check.
-    held = expiries.index(ABSENT) if ABSENT in expiries else n
-    expiries = expiries[:held]
-    dead = [e for e in set(expiries) if not _live(e, now)]
-    return min(map(expiries.index, dead)) if dead else held
-
-
-def _run_bound(entries: dict[int, float], chain: Sequence[int], now: float) -> int:
-    """A length the leading live run cannot exceed: the position of the first of blocks 8, 16,
-    32, ... found not live, else the whole chain.  Replicas that share only a chain's head (a common system
-    prompt) then cost a few lookups instead of one per block of the chain."""
+    Blocks 8, 16, 32, ... and the last are probed; between the last probe some holder still held
+    and the first none did, a bisection narrows the bound.  Replicas that share only a chain's
+    head (a common system prompt) then cost a few probes, and a new turn's blocks, held by
+    nobody yet, are left out of the scan.
+    """
     n = len(chain)
-    probe = 8
-    while probe < n:
-        expiry = entries.get(chain[probe], ABSENT)
-        if not _live(expiry, now):
-            return probe
-        probe *= 2
-    return n
+    held, lo, probe = head, 0, 8
+    while True:
+        probe = min(probe, n - 1)
+        still = held & holders.get(chain[probe], 0)
+        if not still:
+            break
+        if probe == n - 1:
+            return n
+        held, lo, probe = still, probe, probe * 2
+    hi = probe
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        still = held & holders.get(chain[mid], 0)
+        if still:
+            held, lo = still, mid
+        else:
+            hi = mid
+    return hi
 
 
 class MemoryIndex(PrefixIndex):
@@ -71,24 +90,39 @@ class MemoryIndex(PrefixIndex):
         self.predicted_ttl_s = predicted_ttl_s
         self.clock = clock
         self._replicas: dict[str, _Replica] = {}
+        self._holders: dict[int, int] = {}  # block hash -> bits of the replicas holding it
+        self._by_bit: list[_Replica | None] = []  # the replica owning each bit; None: free
+        self._members: dict[int, tuple[_Replica, ...]] = {}  # memo: holder mask -> its replicas
 
     # -- replicas -------------------------------------------------------------------------
     async def add_replica(self, spec: ReplicaSpec) -> None:
         rep = self._replicas.get(spec.name)
         if rep is None:
-            self._replicas[spec.name] = _Replica(spec)
+            by_bit = self._by_bit
+            position = by_bit.index(None) if None in by_bit else len(by_bit)  # the lowest free bit
+            rep = self._replicas[spec.name] = _Replica(spec, 1 << position)
+            if position == len(by_bit):
+                by_bit.append(rep)
+            else:
+                by_bit[position] = rep
+                self._members.clear()  # masks with this bit named the replica that had it
             return
         rep.spec = spec
         self._expire(rep, self.clock())
         self._evict_over_capacity(rep)
 
     async def remove_replica(self, name: str) -> None:
-        self._replicas.pop(name, None)
+        rep = self._replicas.pop(name, None)
+        if rep is None:
+            return
+        self._drop_bit(list(rep.entries), rep.bit)
+        self._by_bit[rep.bit.bit_length() - 1] = None  # free for the next replica added
 
     async def clear_replica(self, name: str) -> None:
         rep = self._replicas.get(name)
         if rep is None:
             return
+        self._drop_bit(list(rep.entries), rep.bit)
         rep.entries.clear()
         rep.expiries.clear()
 
@@ -97,8 +131,10 @@ class MemoryIndex(PrefixIndex):
         if rep is None:
             return
         entries = rep.entries
-        for h in [h for h, expiry in entries.items() if expiry == CONFIRMED]:
+        confirmed = [h for h, expiry in entries.items() if expiry == CONFIRMED]
+        for h in confirmed:
             del entries[h]
+        self._drop_bit(confirmed, rep.bit)
 
     async def entry_count(self, name: str) -> int:
         rep = self._replicas.get(name)
@@ -114,15 +150,71 @@ class MemoryIndex(PrefixIndex):
     def lookup_now(self, chain: Sequence[int]) -> dict[str, int]:
         if not chain:
             return {}
+        holders = self._holders
+        head = holders.get(chain[0])
+        if head is None:
+            return {}
         now = self.clock()
-        head = chain[0]
+        purged = False
+        for rep in self._members_of(head):
+            q = rep.expiries
+            if q and q[0][0] <= now:
+                self._expire(rep, now)
+                purged = True
+        if purged:  # every entry left is live: the masks can be trusted
+            head = holders.get(chain[0])
+            if head is None:
+                return {}
+        end = _bound(holders, chain, head)
+        try:
+            masks = itemgetter(*chain[:end])(holders) if end > 1 else (head,)
+        except KeyError:  # a block nobody holds: every run stops there
+            masks = list(map(holders.get, chain[:end], repeat(0)))
+            del masks[masks.index(0) :]
+        n = len(masks)
+        if masks.count(head) == n:  # the same holders all along
+            return {rep.spec.name: n for rep in self._members_of(head)}
+        return self._runs(masks, head)
+
+    def _runs(self, masks: Sequence[int], head: int) -> dict[str, int]:
+        """Each head holder's leading run, from the blocks' holder masks (``masks[0] == head``)."""
+        n = len(masks)
         matched: dict[str, int] = {}
-        for name, rep in self._replicas.items():
-            first = rep.entries.get(head)
-            if first is not None and _live(first, now):
-                end = _run_bound(rep.entries, chain, now)
-                matched[name] = _live_run(list(map(rep.entries.get, chain[:end], repeat(ABSENT))), now)
+        distinct = set(masks)
+        if len(distinct) <= FEW_HOLDER_SETS:
+            # A bit is lost where the first mask without it appears: visit each mask's first
+            # appearance in order.  Typical: the head's holders share a system prompt, one holds
+            # the conversation after it.
+            alive = head
+            for first, mask in sorted(zip(map(masks.index, distinct), distinct)):
+                for rep in self._members_of(alive & ~mask):
+                    matched[rep.spec.name] = first
+                alive &= mask
+            for rep in self._members_of(alive):
+                matched[rep.spec.name] = n
+            return matched
+        running = list(accumulate(masks, and_))  # each value a subset of the one before: non-increasing
+        alive, start = head, 0
+        while alive:
+            end = bisect_right(running, -alive, lo=start, key=neg)  # the first value below `alive`
+            if end == n:
+                for rep in self._members_of(alive):
+                    matched[rep.spec.name] = n
+                break
+            for rep in self._members_of(alive & ~running[end]):
+                matched[rep.spec.name] = end
+            alive, start = running[end], end
         return matched
+
+    def _members_of(self, mask: int) -> tuple[_Replica, ...]:
+        members = self._members.get(mask)
+        if members is None:
+            if len(self._members) >= MEMBERS_MEMO_SIZE:
+                self._members.clear()
+            by_bit = self._by_bit
+            members = tuple(by_bit[i] for i in range(mask.bit_length()) if mask >> i & 1)  # type: ignore[misc]
+            self._members[mask] = members
+        return members
 
     # -- writes ---------------------------------------------------------------------------
     async def record_prediction(self, replica: str, chain: Sequence[int]) -> None:
@@ -148,8 +240,8 @@ class MemoryIndex(PrefixIndex):
         rep = self._replicas.get(replica)
         if rep is None:
             return
-        for h in hashes:
-            rep.entries.pop(h, None)
+        pop = rep.entries.pop
+        self._drop_bit([h for h in hashes if pop(h, None) is not None], rep.bit)
 
     # -- internals ------------------------------------------------------------------------
     def _write(self, rep: _Replica, hashes: Sequence[int], expiry: float) -> None:
@@ -171,9 +263,12 @@ class MemoryIndex(PrefixIndex):
         deque(map(entries.move_to_end, reversed(hashes)), maxlen=0)
         self._evict_over_capacity(rep)
 
-    @staticmethod
-    def _set_values(rep: _Replica, hashes: Sequence[int], old: list[float | None], expiry: float, timed: bool) -> None:
+    def _set_values(
+        self, rep: _Replica, hashes: Sequence[int], old: list[float | None], expiry: float, timed: bool
+    ) -> None:
         entries, expiries = rep.entries, rep.expiries
+        out_of_order = timed and expiries and expiries[-1][0] > expiry  # the clock stepped back
+        new = []  # blocks this replica did not hold: they gain its bit
         for h, was in zip(reversed(hashes), reversed(old)):
             if was == CONFIRMED and expiry != CONFIRMED:
                 continue  # confirmed already: only its recency is refreshed
@@ -182,17 +277,48 @@ class MemoryIndex(PrefixIndex):
             entries[h] = expiry
             if timed:
                 expiries.append((expiry, h))
+            if was is None:
+                new.append(h)
+        if out_of_order:
+            rep.expiries = deque(sorted(expiries))  # purging walks them in expiry order
+        if new:
+            self._add_bit(new, rep.bit)
+
+    def _add_bit(self, hashes: list[int], bit: int) -> None:
+        """These blocks are now held by the replica owning ``bit`` (repeats allowed)."""
+        holders = self._holders
+        # One probe each for the usual new block, held by nobody else: it gets `bit` alone.
+        masks = list(map(holders.setdefault, hashes, repeat(bit)))
+        if masks.count(bit) != len(masks):  # some were held by others already
+            holders.update(zip(hashes, map(or_, masks, repeat(bit))))
+
+    def _drop_bit(self, hashes: list[int], bit: int) -> None:
+        """These blocks (no repeats) are no longer held by the replica owning ``bit``."""
+        if not hashes:
+            return
+        holders = self._holders
+        # Popped, then put back where others still hold them: the usual sole holder costs one pop.
+        others = list(map(and_, map(holders.pop, hashes), repeat(~bit)))
+        if any(others):
+            holders.update(compress(zip(hashes, others), others))
 
     def _evict_over_capacity(self, rep: _Replica) -> None:
         entries = rep.entries
-        for _ in range(len(entries) - max(rep.spec.capacity_blocks, 0)):
-            entries.popitem(last=False)
+        excess = len(entries) - max(rep.spec.capacity_blocks, 0)
+        if excess > 0:
+            popitem = entries.popitem
+            self._drop_bit([popitem(last=False)[0] for _ in range(excess)], rep.bit)
 
     def _expire(self, rep: _Replica, now: float) -> None:
         """Drop TTL predictions that ran out (and were neither confirmed nor renewed)."""
         q = rep.expiries
+        if not q or q[0][0] > now:
+            return
         entries = rep.entries
+        gone = []
         while q and q[0][0] <= now:
             expiry, h = q.popleft()
             if entries.get(h) == expiry:
                 del entries[h]
+                gone.append(h)
+        self._drop_bit(gone, rep.bit)
