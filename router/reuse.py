@@ -84,11 +84,10 @@ class _LruSet:
         self.items: OrderedDict[int, None] = OrderedDict()
         self.cap = cap
 
-    def add_all(self, keys: Sequence[int], present: int = 0) -> None:
-        """Insert or refresh ``keys``; the first ``present`` are known to be in the set already."""
+    def add_all(self, keys: Sequence[int]) -> None:
+        """Insert or refresh ``keys``."""
         items = self.items
-        deque(map(items.move_to_end, keys[:present]), maxlen=0)  # a C loop: refresh the known prefix
-        for k in keys[present:]:
+        for k in keys:
             if k in items:
                 items.move_to_end(k)
             else:
@@ -96,9 +95,14 @@ class _LruSet:
         for _ in range(len(items) - self.cap):
             items.popitem(last=False)
 
-    def leading_run(self, keys: Sequence[int]) -> int:
-        found = list(map(self.items.__contains__, keys))  # a C loop, then a C search
-        return found.index(False) if False in found else len(found)
+    def refresh_leading_run(self, keys: Sequence[int]) -> int:
+        """Refresh the leading run of ``keys`` the set holds and return its length: one C loop
+        that stops at the first key not held (a chain's hashes are distinct)."""
+        try:
+            deque(map(self.items.move_to_end, keys), maxlen=0)
+        except KeyError as missing:
+            return keys.index(missing.args[0])
+        return len(keys)
 
     def count_in(self, keys: Sequence[int]) -> int:
         return sum(map(self.items.__contains__, keys))
@@ -147,12 +151,12 @@ class ReuseTracker:
     ) -> ReuseObservation:
         """Count this prompt's available reuse, flag it if cache-hostile, then remember it."""
         blocks, prints = self._sets(model)
-        available = blocks.leading_run(chain)
+        available = blocks.refresh_leading_run(chain)
         # Only what is new gets fingerprinted: a matched prefix was fingerprinted when it was new.
         start = available * block_size
         new = fingerprints(_array(token_ids[start:]), seed).tolist()
         hostile = bool(chain) and available < self.head_blocks and self._is_hostile(prints, new, len(token_ids) - start)
-        blocks.add_all(chain, present=available)
+        blocks.add_all(chain[available:])
         prints.add_all(new)
         return ReuseObservation(available_blocks=available, cache_hostile=hostile)
 

@@ -51,6 +51,17 @@ def test_window_is_bounded_and_forgets_least_recent():
     assert _observe(t, old).available_blocks == 0  # its first blocks went first
 
 
+def test_a_seen_prefix_is_refreshed_so_it_outlives_newer_prompts():
+    t = ReuseTracker(window_blocks=30)
+    system = _tokens(10 * BS)
+    _observe(t, system)
+    _observe(t, _tokens(15 * BS))
+    # the system prompt again, with a new tail: its blocks become the most recent
+    assert _observe(t, np.concatenate([system, _tokens(2 * BS)])).available_blocks == 10
+    _observe(t, _tokens(15 * BS))  # evicts the 15 least recent: the first filler's, not the system's
+    assert _observe(t, system).available_blocks == 10
+
+
 def test_fingerprints_do_not_depend_on_position():
     body = _tokens(3000)
     a = set(fingerprints(body, SEED).tolist())
