@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,14 +116,9 @@ def fleet_factory(engine: str) -> FleetFactory:
     if engine == "emulated":
         return EmulatedFleet
     if engine == "vllm":
-        try:
-            module = importlib.import_module("replica.vllm")
-        except ImportError as exc:
-            raise EngineUnavailable(f"--engine vllm: the vLLM replica launcher cannot be imported ({exc})") from None
-        factory = getattr(module, "demo_fleet", None)
-        if factory is None:
-            raise EngineUnavailable("--engine vllm: replica.vllm provides no demo_fleet(); use --engine emulated")
-        return factory
+        from replica.vllm import demo_fleet
+
+        return demo_fleet
     raise EngineUnavailable(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
 
 

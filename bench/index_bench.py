@@ -30,6 +30,8 @@ import redis.asyncio as aioredis
 
 from router.index import MemoryIndex, PrefixIndex, RedisIndex, ReplicaSpec
 
+from bench.timing import per_call_us
+
 CHAIN_BLOCKS = 512
 REPLICAS = 8
 SHARED_BLOCKS = 400
@@ -93,19 +95,6 @@ async def speed(index: PrefixIndex, repeat: int) -> dict[str, tuple[float, float
     return out
 
 
-def timed_now(call: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """``timed`` for a synchronous call."""
-    for _ in range(min(100, repeat)):
-        call()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter_ns()
-        call()
-        samples.append((time.perf_counter_ns() - t0) / 1e3)
-    samples.sort()
-    return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
-
-
 async def shared_chain(repeat: int) -> dict[str, tuple[float, float]]:
     """One hot chain held whole by several replicas: what a lookup and the next turn's write cost."""
     rng = random.Random(2)
@@ -123,9 +112,9 @@ async def shared_chain(repeat: int) -> dict[str, tuple[float, float]]:
                 index.record_prediction_now(name, chain)
             assert index.lookup_now(chain) == dict.fromkeys(names, SHARED_BLOCKS)
             case = f"{SHARED_BLOCKS} blocks held by {holders:>2} ({label})"
-            out[f"lookup_now, {case}"] = timed_now(lambda c=chain, i=index: i.lookup_now(c), repeat)
-            turns = iter([chain + random_chain(rng, 4) for _ in range(repeat + 100)])
-            out[f"record_prediction_now +4, {case}"] = timed_now(
+            out[f"lookup_now, {case}"] = per_call_us(lambda c=chain, i=index: i.lookup_now(c), repeat)
+            turns = iter([chain + random_chain(rng, 4) for _ in range(repeat + 200)])
+            out[f"record_prediction_now +4, {case}"] = per_call_us(
                 lambda t=turns, i=index: i.record_prediction_now("r0", next(t)), repeat
             )
     return out

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -38,6 +37,8 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+
+from replica.vllm import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "tests" / "assets" / "tiny-tokenizer"
@@ -196,12 +197,6 @@ async def start_sglang(python: Path, urls: list[str]) -> tuple[asyncio.subproces
                 proc.kill()
                 raise RuntimeError(f"SGLang's router ({python}) did not start")
             await asyncio.sleep(0.5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def run(args: argparse.Namespace) -> dict:

@@ -142,7 +142,11 @@ async def _run(config: object, args: argparse.Namespace) -> None:
     registered = None
     try:
         if args.redis_url:
-            registered = await EmulatedRegistration.start(replica, args)
+            from router.registry import KeptRegistration
+
+            record = _emulated_record(replica, args)
+            registered = KeptRegistration(args.redis_url, args.redis_key_prefix, record, args.registration_ttl)
+            await registered.start()
         url = registered.record.url if registered else replica.url
         events = f" events {replica.events_endpoint}" if replica.events_endpoint else ""
         replay = f" replay {replica.replay_endpoint}" if replica.replay_endpoint else ""
@@ -151,65 +155,32 @@ async def _run(config: object, args: argparse.Namespace) -> None:
         await stop.wait()
         if registered:
             # routers stop sending first; the ones that listed us just before get a grace period
-            await registered.stop()
+            await registered.deregister()
             await asyncio.sleep(args.drain_grace)
     finally:
         if registered:
-            await registered.stop()
+            await registered.close()
         await replica.stop()
 
 
-class EmulatedRegistration:
-    """An emulated replica's record in Redis (URL, model, KV-event endpoints, block size, capacity),
-    kept alive by heartbeats, as the vLLM launcher keeps a real replica's."""
+def _emulated_record(replica: Any, args: argparse.Namespace) -> Any:
+    """What an emulated replica registers, as the vLLM launcher does for a real one: where routers
+    reach it and its KV events, its model, block size and capacity."""
+    from replica.vllm import advertised_host
+    from router.registry import ReplicaRecord
 
-    def __init__(self, redis: Any, prefix: str, record: Any, heartbeat: asyncio.Task[None]):
-        self.redis, self.prefix, self.record, self._heartbeat = redis, prefix, record, heartbeat
-
-    @classmethod
-    async def start(cls, replica: Any, args: argparse.Namespace) -> EmulatedRegistration:
-        import redis.asyncio as aioredis
-
-        from replica.vllm import advertised_host
-        from router.registry import ReplicaRecord, keep_registered, register
-
-        host = advertised_host(args.host, args.advertise_host)
-        url_host = f"[{host}]" if ":" in host else host
-        record = ReplicaRecord(
-            url=f"http://{url_host}:{replica.port}",
-            name=args.name or "",
-            model=replica.model,
-            events_endpoint=_advertised(args.events_endpoint, replica.events_endpoint, host),
-            replay_endpoint=_advertised(args.replay_endpoint, replica.replay_endpoint, host, always_bound=True),
-            block_size=replica.block_size,
-            capacity_blocks=replica.num_gpu_blocks,
-            engine="emulated",
-        )
-        redis = aioredis.Redis.from_url(args.redis_url)
-        try:  # once here, so that the registration exists when the ready line says so
-            await register(redis, args.redis_key_prefix, record, args.registration_ttl)
-        except (aioredis.RedisError, OSError) as exc:
-            logging.getLogger(__name__).warning("registration in Redis failed, retrying with the heartbeats: %s", exc)
-        heartbeat = asyncio.create_task(keep_registered(redis, args.redis_key_prefix, record, args.registration_ttl))
-        return cls(redis, args.redis_key_prefix, record, heartbeat)
-
-    async def stop(self) -> None:
-        """Deregister (idempotent): heartbeats stop first, or one would register us again."""
-        import redis.asyncio as aioredis
-
-        from router.registry import deregister
-
-        if self._heartbeat is None:
-            return
-        self._heartbeat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._heartbeat
-        self._heartbeat = None
-        try:
-            await deregister(self.redis, self.prefix, self.record.name)
-        except (aioredis.RedisError, OSError) as exc:  # the TTL removes it anyway
-            logging.getLogger(__name__).warning("deregistration failed (the registration lapses by its TTL): %s", exc)
-        await self.redis.aclose()
+    host = advertised_host(args.host, args.advertise_host)
+    url_host = f"[{host}]" if ":" in host else host
+    return ReplicaRecord(
+        url=f"http://{url_host}:{replica.port}",
+        name=args.name or "",
+        model=replica.model,
+        events_endpoint=_advertised(args.events_endpoint, replica.events_endpoint, host),
+        replay_endpoint=_advertised(args.replay_endpoint, replica.replay_endpoint, host, always_bound=True),
+        block_size=replica.block_size,
+        capacity_blocks=replica.num_gpu_blocks,
+        engine="emulated",
+    )
 
 
 def _advertised(requested: str | None, bound: str | None, host: str, *, always_bound: bool = False) -> str | None:

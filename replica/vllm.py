@@ -213,7 +213,8 @@ def _port(endpoint: str) -> int | None:
     return urlsplit(endpoint).port
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at ``host`` right now (the OS picks it)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -228,13 +229,13 @@ def with_free_ports(cfg: VllmReplicaConfig) -> VllmReplicaConfig:
     def endpoint(value: str | None) -> str | None:
         # Not vLLM's own tcp://*:0 handling: that binds the node's IP only, and logs the port.
         if value and value.startswith("tcp://") and is_bind_endpoint(value) and _port(value) == 0:
-            return f"tcp://*:{_free_port('0.0.0.0')}"
+            return f"tcp://*:{free_port('0.0.0.0')}"
         return value
 
     wildcard = cfg.host in ("", "*", "0.0.0.0")
     return replace(
         cfg,
-        port=cfg.port or _free_port("0.0.0.0" if wildcard else cfg.host),
+        port=cfg.port or free_port("0.0.0.0" if wildcard else cfg.host),
         events_endpoint=endpoint(cfg.events_endpoint),
         replay_endpoint=endpoint(cfg.replay_endpoint),
     )

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from typing import IO
 
 import aiohttp
-import redis.asyncio as aioredis
 
-from router.registry import ReplicaRecord, deregister, keep_registered, register
+from router.registry import KeptRegistration, ReplicaRecord
 from router.scrape import ScrapeResult, parse_vllm_metrics
 
 from .vllm import VllmReplicaConfig, build_command, build_env
@@ -79,8 +78,7 @@ class VllmSupervisor:
         self.proc: asyncio.subprocess.Process | None = None
         self.record: ReplicaRecord | None = None
         self._http: aiohttp.ClientSession | None = None
-        self._redis: aioredis.Redis | None = None
-        self._heartbeat: asyncio.Task[None] | None = None
+        self._registered: KeptRegistration | None = None
         self._exited: asyncio.Future[int] | None = None  # done when vLLM has exited
         self._stopping: asyncio.Future[bool] | None = None  # done when a stop was asked for
         self._log_file: IO[bytes] | None = None
@@ -185,12 +183,8 @@ class VllmSupervisor:
         if self.registration is None or self.record is None:
             return
         reg = self.registration
-        self._redis = aioredis.Redis.from_url(reg.redis_url)
-        try:  # once here, so that the registration exists when we say we are ready
-            await register(self._redis, reg.key_prefix, self.record, reg.ttl)
-        except (aioredis.RedisError, OSError) as exc:
-            log.warning("registration in Redis failed, retrying with the heartbeats: %s", exc)
-        self._heartbeat = asyncio.create_task(keep_registered(self._redis, reg.key_prefix, self.record, reg.ttl))
+        self._registered = KeptRegistration(reg.redis_url, reg.key_prefix, self.record, reg.ttl)
+        await self._registered.start()
 
     def _announce(self) -> None:
         r = self.record
@@ -217,18 +211,8 @@ class VllmSupervisor:
         return 0
 
     async def _deregister(self) -> None:
-        if self._heartbeat is not None:
-            # First: a heartbeat after the deregistration would register us again.
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
-            self._heartbeat = None
-        if self._redis is None or self.registration is None or self.record is None:
-            return
-        try:
-            await deregister(self._redis, self.registration.key_prefix, self.record.name)
-        except (aioredis.RedisError, OSError) as exc:  # the TTL removes it anyway
-            log.warning("deregistration failed (the registration lapses by its TTL): %s", exc)
+        if self._registered is not None:
+            await self._registered.deregister()
 
     async def _drain(self) -> None:
         """Wait until vLLM has no request running or waiting (bounded by the drain timeout)."""
@@ -274,15 +258,11 @@ class VllmSupervisor:
             os.killpg(self.proc.pid, sig)
 
     async def _cleanup(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
+        if self._registered is not None:
+            await self._registered.close()  # heartbeats end; a registration not undone lapses
         await self._stop_vllm()
         if self._stopping is not None:
             self._stopping.cancel()
-        if self._redis is not None:
-            await self._redis.aclose()
         if self._http is not None:
             await self._http.close()
         if self._log_file is not None:

@@ -138,7 +138,7 @@ class RouterApp:
             self.upstream,
             self.timeouts,
             replica_url=self._replica_url,
-            upstream_headers=self.fleet.upstream_headers,
+            upstream_headers=self.fleet.upstream_headers(),
             on_failure=self._on_upstream_failure,
             on_success=self.fleet.report_success,
         )
@@ -472,10 +472,6 @@ class RouterApp:
         if not await self.fleet.undrain(name):
             raise ApiError(404, f"no replica named {name!r}", param="replica", code="replica_not_found")
         return web.json_response({"replica": name, "draining": False})
-
-
-def build_app(settings: RouterSettings, **kwargs: Any) -> RouterApp:
-    return RouterApp(settings, **kwargs)
 
 
 async def serve(settings: RouterSettings) -> None:

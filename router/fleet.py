@@ -48,7 +48,6 @@ class FleetSettings(BaseModel):
     discovery_redis: bool = False  # read registrations from Redis (needs redis_url)
     redis_url: str | None = None
     redis_key_prefix: str = "kvroute"
-    registration_ttl_s: float = Field(15.0, gt=0)  # for launchers registering replicas
     dns_name: str | None = None  # host:port of a headless service; each A/AAAA record is a replica
     dns_scheme: str = "http"
     # "auto": IPv4 addresses when the name has any, else IPv6 (a dual-stack pod, or localhost,

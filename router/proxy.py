@@ -256,7 +256,7 @@ class Proxy:
         timeouts: Timeouts,
         *,
         replica_url: Callable[[str], str | None],
-        upstream_headers: Callable[[], Mapping[str, str]],
+        upstream_headers: Mapping[str, str],
         on_failure: Callable[[str, str], None],
         on_success: Callable[[str], None],
     ):
@@ -264,12 +264,13 @@ class Proxy:
         self.pool = pool
         self.timeouts = timeouts  # connect is the pool's; first byte and idle are forward()'s own
         self.replica_url = replica_url
-        self.upstream_headers = upstream_headers
+        # what every upstream request carries (the replicas' own API key), merged once
+        self._fixed_headers = {**upstream_headers, "Content-Type": "application/json"}
         self.on_failure = on_failure
         self.on_success = on_success
 
     def _headers(self, request_id: str) -> dict[str, str]:
-        return {**self.upstream_headers(), "Content-Type": "application/json", "X-Request-Id": request_id}
+        return {**self._fixed_headers, "X-Request-Id": request_id}
 
     async def _send(self, replica: str, path: str, body: bytes, request_id: str) -> UpstreamResponse:
         base = self.replica_url(replica)

@@ -10,6 +10,7 @@ racing a re-registration heals within one heartbeat).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -111,17 +112,25 @@ async def list_replicas(redis: aioredis.Redis, prefix: str) -> list[ReplicaRecor
 
 
 async def keep_registered(
-    redis: aioredis.Redis, prefix: str, record: ReplicaRecord, ttl: float, interval: float | None = None
+    redis: aioredis.Redis,
+    prefix: str,
+    record: ReplicaRecord,
+    ttl: float,
+    interval: float | None = None,
+    *,
+    registered: bool = False,
 ) -> None:
-    """Register, then heartbeat every ``interval`` (default ttl/3) until cancelled.
+    """Register (unless ``registered`` says it was just done), then heartbeat every ``interval``
+    (default ttl/3) until cancelled.
 
     Redis being unreachable is logged and retried: the registration lapses meanwhile, and is
     rewritten by the first heartbeat that gets through.  Cancelling does not deregister (the caller
     decides: a clean shutdown should, a crash cannot).
     """
     interval = ttl / 3 if interval is None else interval
-    registered = False
     while True:
+        if registered:
+            await asyncio.sleep(interval)
         try:
             if registered:
                 await heartbeat(redis, prefix, record, ttl)
@@ -130,4 +139,47 @@ async def keep_registered(
                 registered = True
         except (aioredis.RedisError, OSError) as exc:
             log.warning("registration of %s in Redis failed: %s", record.name, exc)
-        await asyncio.sleep(interval)
+            if not registered:
+                await asyncio.sleep(interval)
+
+
+class KeptRegistration:
+    """A launcher's registration of its replica: written once by ``start`` (so it exists when the
+    launcher says it is ready), then kept alive by heartbeats.  ``deregister`` ends it (routers stop
+    sending: a clean shutdown); ``close`` only stops the heartbeats (a crash: it lapses by its TTL)."""
+
+    def __init__(self, redis_url: str, prefix: str, record: ReplicaRecord, ttl: float):
+        self.prefix, self.record, self.ttl = prefix, record, ttl
+        self._redis = aioredis.Redis.from_url(redis_url)
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        registered = True
+        try:
+            await register(self._redis, self.prefix, self.record, self.ttl)
+        except (aioredis.RedisError, OSError) as exc:
+            registered = False
+            log.warning("registration in Redis failed, retrying with the heartbeats: %s", exc)
+        self._heartbeat = asyncio.create_task(
+            keep_registered(self._redis, self.prefix, self.record, self.ttl, registered=registered)
+        )
+
+    async def deregister(self) -> None:
+        if self._heartbeat is None:
+            return  # never started, or deregistered already
+        await self._stop_heartbeats()  # first: a heartbeat after the deregistration would undo it
+        try:
+            await deregister(self._redis, self.prefix, self.record.name)
+        except (aioredis.RedisError, OSError) as exc:  # the TTL removes it anyway
+            log.warning("deregistration failed (the registration lapses by its TTL): %s", exc)
+
+    async def close(self) -> None:
+        await self._stop_heartbeats()
+        await self._redis.aclose()
+
+    async def _stop_heartbeats(self) -> None:
+        task, self._heartbeat = self._heartbeat, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
