@@ -20,6 +20,11 @@ of CPU per 16 KB request with its cache-aware policy.  CPU figures depend on the
 ``sglang-router`` is installed (``make venv-sglang``: ``.venv-sglang``, or ``--sglang-python``) it
 runs here too, in front of the same replicas with ``--policy cache_aware``, measured in the same
 interleaved rounds: the comparison that counts is the one on one machine in one run.
+
+Beside them, two proxies that only forward (``bench.proxy_floor``: no parsing, no routing) are
+measured under the same load: one on aiohttp's server, as kvroute is built, and one on a bare
+``asyncio.Protocol``.  They split kvroute's CPU per request into what Python and the kernel cost,
+what aiohttp's server adds, and what the routing itself adds (``--no-floors`` skips them).
 """
 
 from __future__ import annotations
@@ -221,7 +226,13 @@ async def run(args: argparse.Namespace) -> dict:
             pids["sglang"] = sg_proc.pid
         else:
             print("SGLang's router is not installed (make venv-sglang): kvroute alone", file=sys.stderr)
-        return await measure_all(args, urls, routers, pids)
+        floors: dict[str, str] = {}
+        for server in () if args.no_floors else ("aiohttp", "protocol"):
+            name = f"floor_{server}"
+            floor_proc, line = await spawn([py, "-m", "bench.proxy_floor", "--server", server, *urls])
+            procs.append(floor_proc)
+            floors[name], pids[name] = line.rsplit(" ", 1)[-1], floor_proc.pid
+        return await measure_all(args, urls, routers, pids, floors)
     finally:
         for proc in procs:
             if proc.returncode is None:
@@ -234,8 +245,11 @@ async def run(args: argparse.Namespace) -> dict:
                 await proc.wait()
 
 
-async def measure_all(args: argparse.Namespace, urls: list[str], routers: dict[str, str], pids: dict[str, int]) -> dict:
-    results: dict = {"replicas": len(urls), "prompt_bytes": PROMPT_BYTES, "routers": list(routers), "cases": {}}
+async def measure_all(
+    args: argparse.Namespace, urls: list[str], routers: dict[str, str], pids: dict[str, int], floors: dict[str, str]
+) -> dict:
+    results: dict = {"replicas": len(urls), "prompt_bytes": PROMPT_BYTES, "routers": list(routers),
+                     "floors": list(floors), "cases": {}}
     rng = np.random.default_rng(args.seed)
     history = conversation(rng, PROMPT_BYTES)
     fresh_rng = np.random.default_rng(args.seed + 1)
@@ -263,7 +277,7 @@ async def measure_all(args: argparse.Namespace, urls: list[str], routers: dict[s
                 await client.latency(url, multi_turn(-1 - i))
                 await client.latency(url, never_seen(-1 - i))
         for n_case, case in enumerate(cases):
-            out: dict = {name: {} for name in routers}
+            out: dict = {name: {} for name in (*routers, *floors)}
             d, r = await side_by_side(args.requests, case, urls[0], routers, client.latency)
             for name in routers:
                 out[name].update(direct_p50_ms=p50_ms(d), routed_p50_ms=p50_ms(r[name]),
@@ -272,10 +286,10 @@ async def measure_all(args: argparse.Namespace, urls: list[str], routers: dict[s
             for name in routers:
                 out[name].update(direct_first_chunk_p50_ms=p50_ms(d), routed_first_chunk_p50_ms=p50_ms(r[name]),
                                  added_first_chunk_p50_ms=p50_ms(r[name]) - p50_ms(d))
-            # CPU at concurrency, each router in turn on its own request numbers (new prompts
-            # stay new); bodies built beforehand so that the client keeps up
+            # CPU at concurrency, each router (then each floor) in turn on its own request numbers
+            # (new prompts stay new); bodies built beforehand so that the client keeps up
             n = args.load_requests
-            for n_router, (name, url) in enumerate(routers.items()):
+            for n_router, (name, url) in enumerate({**routers, **floors}.items()):
                 base = 1_000_000 * (n_case + 1) + 100_000 * n_router
                 if case.body is never_seen:
                     for i in range(base, base + n):
@@ -372,6 +386,12 @@ def print_table(results: dict) -> None:
         ratios = (results["cases"][n]["kvroute"]["router_cpu_us_per_request"]
                   / results["cases"][n]["sglang"]["router_cpu_us_per_request"] for n in names)
         print(f"  {'':38}" + "".join(f"{x:>23.2f}x" for x in ratios))
+    for floor in results.get("floors", ()):
+        label = {"floor_aiohttp": "aiohttp server + upstream client, no routing",
+                 "floor_protocol": "asyncio.Protocol + upstream client, no routing"}.get(floor, floor)
+        print(f"{label}")
+        cells = (f"{results['cases'][n][floor]['router_cpu_us_per_request']:.2f}" for n in names)
+        print(f"  {'CPU per request at c=64 (µs)':38}" + "".join(f"{x:>24}" for x in cells))
     breakdown = results.get("pipeline_us")
     if breakdown:
         print("\nrouting pipeline in-process, µs per request (no HTTP)")
@@ -388,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-floors", action="store_true", help="skip the forward-only proxies (bench.proxy_floor)")
     p.add_argument("--sglang-python", default=None,
                    help="a Python with sglang-router installed (default: .venv-sglang's, if present)")
     args = p.parse_args(argv)

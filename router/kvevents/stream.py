@@ -12,6 +12,11 @@ Sequence rules (``seq`` counts from 0 in each publisher process):
 - first contact (a new router, a router restart, the replica (re)joining): replay everything the
   replica still buffers, after ``drop_confirmed``, so the index holds what this history says and
   nothing a previous process or a missed removal left behind.
+- a connection (the first one, or a reconnection): a SUB socket's subscription reaches the PUB a
+  moment after it connects (ZMQ's slow joiner), and the PUB drops what it publishes meanwhile.  A
+  later batch would reveal that gap, but if none comes (a replica gone quiet), the index would miss
+  those blocks for good.  So ``settle_s`` after each connection, the stream asks the replay
+  endpoint for anything after its last batch: one round trip, usually answered "nothing".
 - a reconnection of the SUB socket (the publisher went away and came back) is checked the same
   way as a gap: the publisher may be a new process whose seq happens to continue ours.
 
@@ -71,7 +76,7 @@ class StreamStatus:
     gaps: int
     replays: int
     reconnects: int
-    synced: bool  # the first-contact replay is done (always True without a replay endpoint)
+    synced: bool  # history replayed and the first connection settled (always True without a replay endpoint)
     connected: bool
     index_ok: bool
     mapped_blocks: int  # engine hashes the translator knows
@@ -117,6 +122,7 @@ class ReplicaStream:
         on_progress: Callable[[], None],
         replay_timeout_s: float,
         max_chunk: int,
+        settle_s: float,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -131,6 +137,7 @@ class ReplicaStream:
         self._on_progress = on_progress
         self._replay_timeout_s = replay_timeout_s
         self._max_chunk = max_chunk
+        self._settle_s = settle_s
         self.translator = ChainTranslator(model, capacity_blocks)
         self._decoder = BatchDecoder()
         self._ops = _Ops()
@@ -149,7 +156,9 @@ class ReplicaStream:
         self.last_seq: int | None = None
         self.batches_applied = 0
         self.restarts = self.gaps = self.replays = self.reconnects = 0
-        self.synced = False
+        self.synced = False  # the history is replayed and the first connection's catch-up done
+        self._contacted = False  # the first-contact replay is done
+        self._catch_up_at: float | None = None  # when to replay what a new subscription missed
         self.connected = False
         self.index_ok = True
         self.last_lag_s: float | None = None
@@ -175,25 +184,34 @@ class ReplicaStream:
                 log.exception("KV-event stream of %s failed; starting it over", self.name)
                 self._close()
                 self._reset_sequence(clear_map=True)
-                self.synced = False
+                self.synced = self._contacted = False
                 await asyncio.sleep(CRASH_BACKOFF_S)
 
     async def _run_once(self) -> None:
         try:
             self._open()
+            self._catch_up_at = None
             await self._first_contact()
             assert self._poller is not None
             while True:
-                timeout = -1 if self.index_ok else INDEX_RETRY_S * 1000
-                ready = dict(await self._poller.poll(timeout))
+                ready = dict(await self._poller.poll(self._poll_timeout_ms()))
                 if self._monitor in ready:
                     await self._on_monitor()
                 if self._sub in ready:
                     await self._on_live()
                 if not self.index_ok:
                     await self._resync_after_index_failure()
+                if self._catch_up_at is not None and time.monotonic() >= self._catch_up_at:
+                    await self._catch_up()
         finally:
             self._close()
+
+    def _poll_timeout_ms(self) -> int:
+        """Until the next timed duty (an index retry, a catch-up), or forever (-1)."""
+        waits = [] if self.index_ok else [INDEX_RETRY_S]
+        if self._catch_up_at is not None:
+            waits.append(max(0.0, self._catch_up_at - time.monotonic()))
+        return int(min(waits) * 1000) + 1 if waits else -1
 
     def _open(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -248,8 +266,10 @@ class ReplicaStream:
                     self._was_disconnected = False
                     self.reconnects += 1
                     await self._after_reconnect()
-                elif not self.synced:
+                elif not self._contacted:
                     await self._first_contact()  # the replica was not reachable when we first tried
+                if self.replay_endpoint:
+                    self._catch_up_at = time.monotonic() + self._settle_s
                 self._on_progress()
             await self._flush()
 
@@ -289,7 +309,7 @@ class ReplicaStream:
     async def _first_contact(self) -> None:
         """Rebuild what the index knows of this replica from the history it buffers."""
         if not self.replay_endpoint:
-            self.synced = True
+            self.synced = self._contacted = True
             return
         self._next = None  # apply the whole history, whatever was applied before
         outcome = await self._replay(0, verify=None, drop_first=True)
@@ -297,7 +317,7 @@ class ReplicaStream:
             log.warning("replica %s: no answer from its replay endpoint %s; following live events only",
                         self.name, self.replay_endpoint)
             return
-        self.synced = True
+        self._contacted = True
         if self._next is None:
             self._next = 0  # nothing published yet: the first batch will be seq 0
         self._on_progress()
@@ -321,7 +341,7 @@ class ReplicaStream:
         if not self.replay_endpoint:
             self._lost()  # whatever it published meanwhile is gone; a new process shows by its seq
             return
-        if self._next is None or not self.synced:
+        if self._next is None or not self._contacted:
             await self._first_contact()
             return
         outcome = await self._replay_from(self._next)
@@ -329,6 +349,18 @@ class ReplicaStream:
             await self._restart("the replay after a reconnection shows another process")
         elif outcome == "failed":
             self._lost()
+
+    async def _catch_up(self) -> None:
+        """A settled connection: replay whatever was published while its subscription was on its
+        way (nothing, usually); the stream is synced once the first one is done."""
+        self._catch_up_at = None
+        if self._contacted and self._next is not None:
+            outcome = await self._replay_from(self._next)
+            if outcome == "restarted":
+                await self._restart("the catch-up replay shows another process")
+        if self._contacted:
+            self.synced = True
+        self._on_progress()
 
     async def _replay_from(self, expected: int) -> ReplayOutcome:
         """Replay from ``expected``, starting one earlier to prove it is the same process."""

@@ -41,6 +41,9 @@ log = logging.getLogger("kvroute.kvevents")
 
 DEFAULT_CAPACITY_BLOCKS = 65_536  # hash-map bound while a replica's KV capacity is unknown
 DEFAULT_REPLAY_TIMEOUT_S = 2.0
+# after a SUB socket connects, how long until its subscription surely reached the publisher (a
+# round trip; generous): then what was published meanwhile is fetched from the replay endpoint
+DEFAULT_SETTLE_S = 0.25
 DEFAULT_MAX_CHUNK = 512
 
 
@@ -80,6 +83,7 @@ class KVEventSubscriber:
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
         default_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
         max_chunk: int = DEFAULT_MAX_CHUNK,
+        settle_s: float = DEFAULT_SETTLE_S,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.index = index
@@ -89,6 +93,7 @@ class KVEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.default_capacity_blocks = default_capacity_blocks
         self.max_chunk = max_chunk
+        self.settle_s = settle_s
         self._ctx = context or zmq.asyncio.Context.instance()
         self._streams: dict[str, ReplicaStream] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -152,6 +157,7 @@ class KVEventSubscriber:
             on_progress=self._notify,
             replay_timeout_s=self.replay_timeout_s,
             max_chunk=self.max_chunk,
+            settle_s=self.settle_s,
         )
         if self._started:
             self._spawn(replica)
@@ -222,7 +228,8 @@ class KVEventSubscriber:
         await self.wait_until(done, timeout)
 
     async def wait_synced(self, replica: str, timeout: float = 10.0) -> None:
-        """Until ``replica``'s first-contact replay is applied."""
+        """Until ``replica``'s history is applied and its first connection has settled (nothing
+        published before the subscription took effect is missing)."""
 
         def done() -> bool:
             st = self.status(replica)
