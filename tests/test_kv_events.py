@@ -362,7 +362,7 @@ async def test_a_batch_the_slow_joiner_dropped_is_caught_up_with_nothing_after_i
     for once its connection has settled brings it."""
     pub = await start_publisher()
     index = await new_index()
-    sub = make_subscriber(index, settle_s=1.0)
+    sub = make_subscriber(index, settle_s=2.0)  # the batch below goes out well within it
     try:
         await sub.start()
         sub.watch(NAME, pub.endpoint, pub.replay_endpoint, MODEL)
