@@ -398,6 +398,30 @@ async def test_a_clock_that_steps_back_keeps_expiry_exact():
     assert_holders_match_entries(index)
 
 
+async def test_re_predicting_within_the_slack_keeps_the_expiry_and_extends_the_chain():
+    """A conversation re-predicted on every turn renews its blocks' expiry once per slack, not per
+    request: within the slack the held blocks keep theirs (and their LRU place moves), new blocks
+    get a full TTL, confirmed ones stay confirmed; past the slack all are renewed."""
+    index, clock = memory_index(ttl=8)  # slack: 1
+    await index.add_replica(spec("a", events=True))
+    entries = index._replicas["a"].entries
+    clock.now = 100
+    await index.record_prediction("a", CHAIN[:6])
+    await index.confirm("a", CHAIN[:2])
+    clock.now = 100.5
+    await index.record_prediction("a", CHAIN[:9])
+    assert [entries[h] for h in CHAIN[:9]] == [-1.0] * 2 + [108] * 4 + [108.5] * 3
+    assert list(entries)[-1] == CHAIN[0]  # the head is still the most recently used
+    clock.now = 101.5  # past the slack: every prediction is renewed
+    await index.record_prediction("a", CHAIN[:9])
+    assert [entries[h] for h in CHAIN[:9]] == [-1.0] * 2 + [109.5] * 7
+    clock.now = 108.2  # the first write's expiry (108) passed, the renewal's did not
+    assert await index.lookup(CHAIN) == {"a": 9}
+    clock.now = 109.6
+    assert await index.lookup(CHAIN) == {"a": 2}  # the confirmed head only
+    assert_holders_match_entries(index)
+
+
 # -- property: random operation sequences against a reference model -----------------------------
 class ReferenceIndex:
     """The contract, written as plainly as possible: per replica, an ordered map hash -> state."""

@@ -16,6 +16,12 @@ ever loses bits and so never increases, is bisected.  Before any of that, probes
 32, ... and the last bound the scan, so replicas sharing only a chain's head cost a few probes and
 a new turn's blocks, held by nobody yet, are not read.
 
+Renewing a prediction costs a new expiry and a purge record per block, so a chain re-predicted
+within ``renew_slack_s`` (default an eighth of the TTL) of its last renewal keeps its expiry and
+is only touched in the LRU: a conversation's earlier turns are renewed once per slack, not on
+every request (two C scans tell; a prediction may so expire up to the slack sooner than "TTL
+after its last use").
+
 The masks say "held", not "live": a TTL prediction past its expiry stays until it is purged.
 So a lookup first purges the expired predictions of the replicas holding the chain's head, then
 trusts the masks.  Purging is a walk from the front of a deque because each replica's
@@ -86,8 +92,14 @@ def _bound(holders: dict[int, int], chain: Sequence[int], head: int) -> int:
 class MemoryIndex(PrefixIndex):
     in_process = True
 
-    def __init__(self, predicted_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        predicted_ttl_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        renew_slack_s: float | None = None,
+    ):
         self.predicted_ttl_s = predicted_ttl_s
+        self.renew_slack_s = predicted_ttl_s / 8 if renew_slack_s is None else renew_slack_s
         self.clock = clock
         self._replicas: dict[str, _Replica] = {}
         self._holders: dict[int, int] = {}  # block hash -> bits of the replicas holding it
@@ -257,11 +269,25 @@ class MemoryIndex(PrefixIndex):
         entries = rep.entries
         old = list(map(entries.get, hashes))
         timed = expiry != PINNED and expiry != CONFIRMED
-        if timed or old.count(expiry) + (expiry != CONFIRMED and old.count(CONFIRMED)) != len(old):
+        if timed:
+            fresh = self._fresh_run(old, float(expiry - self.renew_slack_s))
+            if fresh < len(old):
+                self._set_values(rep, hashes[fresh:], old[fresh:], expiry, timed)
+        elif old.count(expiry) + (expiry != CONFIRMED and old.count(CONFIRMED)) != len(old):
             self._set_values(rep, hashes, old, expiry, timed)
         # deque(maxlen=0) consumes the map in C
         deque(map(entries.move_to_end, reversed(hashes)), maxlen=0)
         self._evict_over_capacity(rep)
+
+    @staticmethod
+    def _fresh_run(old: list[float | None], renewed_after: float) -> int:
+        """How many leading entries need no new expiry: all the held ones up to the first block
+        not held, if each is confirmed or expires after ``renewed_after``; else 0 (renew all)."""
+        held = old.index(None) if None in old else len(old)
+        run = old[:held] if held < len(old) else old
+        # C scans: entries older than the slack, less the confirmed ones (-1.0) they count
+        stale = sum(map(renewed_after.__gt__, run)) - run.count(CONFIRMED)
+        return held if stale == 0 and PINNED not in run else 0
 
     def _set_values(
         self, rep: _Replica, hashes: Sequence[int], old: list[float | None], expiry: float, timed: bool
