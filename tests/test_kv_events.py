@@ -135,10 +135,12 @@ def make_subscriber(index: PrefixIndex, **kwargs: Any) -> KVEventSubscriber:
 
 @contextlib.asynccontextmanager
 async def following(index: PrefixIndex, endpoint: str, replay_endpoint: str | None, *,
-                    name: str = NAME, live: Any = None, **watch: Any) -> AsyncIterator[KVEventSubscriber]:
-    """A subscriber following one replica, synced; with ``live`` (its publisher), also past ZMQ's
-    slow joiner (see ``until_live``), so that the test's own last batch cannot be lost unseen."""
-    sub = make_subscriber(index)
+                    name: str = NAME, live: Any = None, options: dict[str, Any] | None = None,
+                    **watch: Any) -> AsyncIterator[KVEventSubscriber]:
+    """A subscriber (``options``: its settings) following one replica, synced; with ``live`` (its
+    publisher), also past ZMQ's slow joiner (see ``until_live``), so that the test's own last batch
+    cannot be lost unseen."""
+    sub = make_subscriber(index, **(options or {}))
     await sub.start()
     sub.watch(name, endpoint, replay_endpoint, MODEL, **watch)
     try:
@@ -305,8 +307,8 @@ async def test_first_contact_replays_the_history_and_drops_stale_entries(tokeniz
                 assert await index.lookup(chain) == {NAME: len(chain)}
             assert await index.lookup([111, 222]) == {}
             status = sub.status(NAME)
-            # the first-contact replay, then the catch-up once the connection settled
-            assert status.replays == 2 and status.last_seq == replica.publisher.next_seq - 1
+            assert status.replays == 1 and status.last_seq == replica.publisher.next_seq - 1
+            assert status.checks == 1  # once the connection settled: nothing new
             # the replayed batches are history: no lag is recorded for them
             assert sample(sub, "kvroute_kv_event_lag_seconds_count") == 0
     finally:
@@ -372,9 +374,32 @@ async def test_a_batch_the_slow_joiner_dropped_is_caught_up_with_nothing_after_i
         await sub.wait_synced(NAME, WAIT_S)
         status = sub.status(NAME)
         assert status.last_seq == seq and status.gaps == 0 and status.restarts == 0
+        assert status.replays == 2 and status.checks == 1  # first contact, then the check that found it
         assert await index.lookup(router_chain(ids)) == {NAME: 1}
     finally:
         await sub.stop()
+        await pub.close()
+
+
+async def test_a_quiet_stream_asks_whether_it_missed_its_last_batch():
+    """A batch the PUB dropped (a full queue) shows as a gap only when a later one arrives; a
+    replica that falls silent right after is asked once, ``idle_check_s`` after its last batch."""
+    pub = await start_publisher()
+    index = await new_index()
+    try:
+        async with following(index, pub.endpoint, pub.replay_endpoint, live=pub, options={"idle_check_s": 0.5}) as sub:
+            ids = tokens(1000, 2)
+            seq = pub.publish([stored([701], None, ids[:BS])])
+            await sub.wait_applied(NAME, seq, WAIT_S)
+            checks0, replays0 = sub.status(NAME).checks, sub.status(NAME).replays
+            seq = pub.publish_lost([stored([702], 701, ids[BS:])])  # dropped, then silence
+            await sub.wait_applied(NAME, seq, WAIT_S)
+            status = sub.status(NAME)
+            assert status.checks == checks0 + 1 and status.replays == replays0 + 1 and status.gaps == 0
+            assert await index.lookup(router_chain(ids)) == {NAME: 2}
+            await asyncio.sleep(1.0)  # quiet, and nothing new: no further check until a live batch
+            assert sub.status(NAME).checks == checks0 + 1
+    finally:
         await pub.close()
 
 

@@ -17,6 +17,10 @@ Sequence rules (``seq`` counts from 0 in each publisher process):
   later batch would reveal that gap, but if none comes (a replica gone quiet), the index would miss
   those blocks for good.  So ``settle_s`` after each connection, the stream asks the replay
   endpoint for anything after its last batch: one round trip, usually answered "nothing".
+- a stream gone quiet: a batch the PUB dropped on a full queue is a gap only once a later one
+  arrives.  So ``idle_check_s`` after the last live batch the stream asks the same once more
+  (a replica under steady traffic is never asked; one that falls silent, once).  These checks
+  count as ``checks``, not replays, unless they find something.
 - a reconnection of the SUB socket (the publisher went away and came back) is checked the same
   way as a gap: the publisher may be a new process whose seq happens to continue ours.
 
@@ -75,6 +79,7 @@ class StreamStatus:
     restarts: int
     gaps: int
     replays: int
+    checks: int  # settle and idle checks against the replay endpoint (replays only if they found batches)
     reconnects: int
     synced: bool  # history replayed and the first connection settled (always True without a replay endpoint)
     connected: bool
@@ -123,6 +128,7 @@ class ReplicaStream:
         replay_timeout_s: float,
         max_chunk: int,
         settle_s: float,
+        idle_check_s: float,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -138,6 +144,7 @@ class ReplicaStream:
         self._replay_timeout_s = replay_timeout_s
         self._max_chunk = max_chunk
         self._settle_s = settle_s
+        self._idle_check_s = idle_check_s
         self.translator = ChainTranslator(model, capacity_blocks)
         self._decoder = BatchDecoder()
         self._ops = _Ops()
@@ -159,6 +166,8 @@ class ReplicaStream:
         self.synced = False  # the history is replayed and the first connection's catch-up done
         self._contacted = False  # the first-contact replay is done
         self._catch_up_at: float | None = None  # when to replay what a new subscription missed
+        self._idle_check_at: float | None = None  # when to ask whether a quiet stream missed its last batch
+        self.checks = 0  # catch-up and idle checks asked of the replay endpoint
         self.connected = False
         self.index_ok = True
         self.last_lag_s: float | None = None
@@ -168,7 +177,7 @@ class ReplicaStream:
         return StreamStatus(
             replica=self.name, endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, model=self.model,
             last_seq=self.last_seq, batches_applied=self.batches_applied, restarts=self.restarts, gaps=self.gaps,
-            replays=self.replays, reconnects=self.reconnects, synced=self.synced, connected=self.connected,
+            replays=self.replays, checks=self.checks, reconnects=self.reconnects, synced=self.synced, connected=self.connected,
             index_ok=self.index_ok, mapped_blocks=len(self.translator), last_lag_s=self.last_lag_s,
         )
 
@@ -190,7 +199,7 @@ class ReplicaStream:
     async def _run_once(self) -> None:
         try:
             self._open()
-            self._catch_up_at = None
+            self._catch_up_at = self._idle_check_at = None
             await self._first_contact()
             assert self._poller is not None
             while True:
@@ -201,16 +210,20 @@ class ReplicaStream:
                     await self._on_live()
                 if not self.index_ok:
                     await self._resync_after_index_failure()
-                if self._catch_up_at is not None and time.monotonic() >= self._catch_up_at:
-                    await self._catch_up()
+                now = time.monotonic()
+                if self._catch_up_at is not None and now >= self._catch_up_at:
+                    await self._catch_up(settled=True)
+                elif self._idle_check_at is not None and now >= self._idle_check_at:
+                    await self._catch_up(settled=False)
         finally:
             self._close()
 
     def _poll_timeout_ms(self) -> int:
         """Until the next timed duty (an index retry, a catch-up), or forever (-1)."""
         waits = [] if self.index_ok else [INDEX_RETRY_S]
-        if self._catch_up_at is not None:
-            waits.append(max(0.0, self._catch_up_at - time.monotonic()))
+        for due in (self._catch_up_at, self._idle_check_at):
+            if due is not None:
+                waits.append(max(0.0, due - time.monotonic()))
         return int(min(waits) * 1000) + 1 if waits else -1
 
     def _open(self) -> None:
@@ -289,6 +302,8 @@ class ReplicaStream:
                 continue
             await self._live(seq, payload)
         await self._flush()
+        if self.replay_endpoint:
+            self._idle_check_at = time.monotonic() + self._idle_check_s
 
     async def _live(self, seq: int, payload: bytes) -> None:
         if self._last_live is not None and seq <= self._last_live:
@@ -350,24 +365,28 @@ class ReplicaStream:
         elif outcome == "failed":
             self._lost()
 
-    async def _catch_up(self) -> None:
-        """A settled connection: replay whatever was published while its subscription was on its
-        way (nothing, usually); the stream is synced once the first one is done."""
-        self._catch_up_at = None
+    async def _catch_up(self, *, settled: bool) -> None:
+        """Replay whatever came after the last batch applied (nothing, usually): what a new
+        subscription missed (``settled``: the stream is synced once the first is done), or what a
+        quiet stream may have lost last."""
+        if settled:
+            self._catch_up_at = None
+        self._idle_check_at = None
         if self._contacted and self._next is not None:
-            outcome = await self._replay_from(self._next)
+            self.checks += 1
+            outcome = await self._replay_from(self._next, check=True)
             if outcome == "restarted":
                 await self._restart("the catch-up replay shows another process")
-        if self._contacted:
+        if self._contacted and settled:
             self.synced = True
         self._on_progress()
 
-    async def _replay_from(self, expected: int) -> ReplayOutcome:
+    async def _replay_from(self, expected: int, *, check: bool = False) -> ReplayOutcome:
         """Replay from ``expected``, starting one earlier to prove it is the same process."""
         previous = self._digests.get(expected - 1)
         if previous is not None:
-            return await self._replay(expected - 1, verify=(expected - 1, previous), drop_first=False)
-        return await self._replay(expected, verify=None, drop_first=False)
+            return await self._replay(expected - 1, verify=(expected - 1, previous), drop_first=False, check=check)
+        return await self._replay(expected, verify=None, drop_first=False, check=check)
 
     async def _restart(self, reason: str) -> None:
         log.warning("replica %s restarted (%s): clearing its index entries", self.name, reason)
@@ -396,18 +415,21 @@ class ReplicaStream:
             self.translator.clear()
 
     # -- replay ---------------------------------------------------------------------------
-    async def _replay(self, start: int, *, verify: tuple[int, int] | None, drop_first: bool) -> ReplayOutcome:
+    async def _replay(
+        self, start: int, *, verify: tuple[int, int] | None, drop_first: bool, check: bool = False
+    ) -> ReplayOutcome:
         """Ask the replay endpoint for every batch from ``start`` and apply what is new.
 
         ``verify``: (seq, digest) the first reply must match, else the publisher is another
         process ("restarted", nothing applied).  "lost": the buffer no longer reaches back to
         ``start`` (confirmed entries dropped, the rest applied).  ``drop_first``: drop confirmed
-        entries before applying (first contact).
+        entries before applying (first contact).  ``check``: counted as a replay only if it
+        brings batches (a check that finds nothing new is not one).
         """
         assert self.replay_endpoint is not None
         await self._flush()
-        self.replays += 1
-        self._series.replays.inc()
+        if not check:
+            self._count_replay()
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         outcome: ReplayOutcome = "ok"
@@ -416,6 +438,7 @@ class ReplicaStream:
             await dealer.send_multipart(replay_request(start))
             first = True
             since_flush = 0
+            found = 0  # batches a check brought
             while True:
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
                 # lands as the reply arrives, and the stream would outlive its stop()
@@ -430,10 +453,15 @@ class ReplicaStream:
                         outcome = "lost"
                     if drop_first or outcome == "lost":
                         self._ops.add("drop", [])
+                    if check and outcome == "lost":
+                        self._count_replay()
                 if seq == END_SEQ:
                     break
                 if self._next is not None and seq < self._next:
                     continue  # applied already (the verified batch, or an overlap)
+                if check and outcome != "lost" and not found:
+                    self._count_replay()
+                found += 1
                 self._apply(seq, payload, live=False)
                 since_flush += 1
                 if since_flush >= self._max_chunk:
@@ -445,8 +473,14 @@ class ReplicaStream:
             outcome = "failed"
         finally:
             dealer.close(linger=0)
+        if check and found:
+            log.info("replica %s: %d KV-event batches the live stream had missed came by replay", self.name, found)
         await self._flush()
         return outcome
+
+    def _count_replay(self) -> None:
+        self.replays += 1
+        self._series.replays.inc()
 
     # -- applying -------------------------------------------------------------------------
     def _apply(self, seq: int, payload: bytes, *, live: bool) -> None:

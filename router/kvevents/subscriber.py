@@ -44,6 +44,8 @@ DEFAULT_REPLAY_TIMEOUT_S = 2.0
 # after a SUB socket connects, how long until its subscription surely reached the publisher (a
 # round trip; generous): then what was published meanwhile is fetched from the replay endpoint
 DEFAULT_SETTLE_S = 0.25
+# how long a stream stays quiet after a live batch before asking whether it missed the last one
+DEFAULT_IDLE_CHECK_S = 5.0
 DEFAULT_MAX_CHUNK = 512
 
 
@@ -84,6 +86,7 @@ class KVEventSubscriber:
         default_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
         max_chunk: int = DEFAULT_MAX_CHUNK,
         settle_s: float = DEFAULT_SETTLE_S,
+        idle_check_s: float = DEFAULT_IDLE_CHECK_S,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.index = index
@@ -94,6 +97,7 @@ class KVEventSubscriber:
         self.default_capacity_blocks = default_capacity_blocks
         self.max_chunk = max_chunk
         self.settle_s = settle_s
+        self.idle_check_s = idle_check_s
         self._ctx = context or zmq.asyncio.Context.instance()
         self._streams: dict[str, ReplicaStream] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -158,6 +162,7 @@ class KVEventSubscriber:
             replay_timeout_s=self.replay_timeout_s,
             max_chunk=self.max_chunk,
             settle_s=self.settle_s,
+            idle_check_s=self.idle_check_s,
         )
         if self._started:
             self._spawn(replica)
