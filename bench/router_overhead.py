@@ -169,6 +169,9 @@ def p50_ms(xs: list[float]) -> float:
 
 
 SGLANG_VENV = REPO / ".venv-sglang"
+FLOOR_SERVERS = ("aiohttp", "protocol")  # bench.proxy_floor --server
+FLOOR_LABELS = {"floor_aiohttp": "aiohttp server + upstream client, no routing",
+                "floor_protocol": "asyncio.Protocol + upstream client, no routing"}
 
 
 def sglang_python(explicit: str | None) -> Path | None:
@@ -227,7 +230,7 @@ async def run(args: argparse.Namespace) -> dict:
         else:
             print("SGLang's router is not installed (make venv-sglang): kvroute alone", file=sys.stderr)
         floors: dict[str, str] = {}
-        for server in () if args.no_floors else ("aiohttp", "protocol"):
+        for server in () if args.no_floors else FLOOR_SERVERS:
             name = f"floor_{server}"
             floor_proc, line = await spawn([py, "-m", "bench.proxy_floor", "--server", server, *urls])
             procs.append(floor_proc)
@@ -387,9 +390,7 @@ def print_table(results: dict) -> None:
                   / results["cases"][n]["sglang"]["router_cpu_us_per_request"] for n in names)
         print(f"  {'':38}" + "".join(f"{x:>23.2f}x" for x in ratios))
     for floor in results.get("floors", ()):
-        label = {"floor_aiohttp": "aiohttp server + upstream client, no routing",
-                 "floor_protocol": "asyncio.Protocol + upstream client, no routing"}.get(floor, floor)
-        print(f"{label}")
+        print(FLOOR_LABELS.get(floor, floor))
         cells = (f"{results['cases'][n][floor]['router_cpu_us_per_request']:.2f}" for n in names)
         print(f"  {'CPU per request at c=64 (µs)':38}" + "".join(f"{x:>24}" for x in cells))
     breakdown = results.get("pipeline_us")

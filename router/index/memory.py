@@ -268,13 +268,12 @@ class MemoryIndex(PrefixIndex):
         """
         entries = rep.entries
         old = list(map(entries.get, hashes))
-        timed = expiry != PINNED and expiry != CONFIRMED
-        if timed:
+        if expiry != PINNED and expiry != CONFIRMED:  # a TTL prediction
             fresh = self._fresh_run(old, float(expiry - self.renew_slack_s))
             if fresh < len(old):
-                self._set_values(rep, hashes[fresh:], old[fresh:], expiry, timed)
+                self._set_values(rep, hashes[fresh:], old[fresh:], expiry, timed=True)
         elif old.count(expiry) + (expiry != CONFIRMED and old.count(CONFIRMED)) != len(old):
-            self._set_values(rep, hashes, old, expiry, timed)
+            self._set_values(rep, hashes, old, expiry, timed=False)
         # deque(maxlen=0) consumes the map in C
         deque(map(entries.move_to_end, reversed(hashes)), maxlen=0)
         self._evict_over_capacity(rep)

@@ -165,9 +165,12 @@ class ReplicaStream:
         self.restarts = self.gaps = self.replays = self.reconnects = 0
         self.synced = False  # the history is replayed and the first connection's catch-up done
         self._contacted = False  # the first-contact replay is done
-        self._catch_up_at: float | None = None  # when to replay what a new subscription missed
-        self._idle_check_at: float | None = None  # when to ask whether a quiet stream missed its last batch
-        self.checks = 0  # catch-up and idle checks asked of the replay endpoint
+        # when to ask the replay endpoint for anything after the last batch: ``settle_s`` after a
+        # connection (``_settling``: live batches do not postpone it), or ``idle_check_s`` after
+        # the last live batch
+        self._check_at: float | None = None
+        self._settling = False
+        self.checks = 0  # such checks asked
         self.connected = False
         self.index_ok = True
         self.last_lag_s: float | None = None
@@ -199,7 +202,7 @@ class ReplicaStream:
     async def _run_once(self) -> None:
         try:
             self._open()
-            self._catch_up_at = self._idle_check_at = None
+            self._check_at, self._settling = None, False
             await self._first_contact()
             assert self._poller is not None
             while True:
@@ -210,20 +213,16 @@ class ReplicaStream:
                     await self._on_live()
                 if not self.index_ok:
                     await self._resync_after_index_failure()
-                now = time.monotonic()
-                if self._catch_up_at is not None and now >= self._catch_up_at:
-                    await self._catch_up(settled=True)
-                elif self._idle_check_at is not None and now >= self._idle_check_at:
-                    await self._catch_up(settled=False)
+                if self._check_at is not None and time.monotonic() >= self._check_at:
+                    await self._check()
         finally:
             self._close()
 
     def _poll_timeout_ms(self) -> int:
-        """Until the next timed duty (an index retry, a catch-up), or forever (-1)."""
+        """Until the next timed duty (an index retry, a check), or forever (-1)."""
         waits = [] if self.index_ok else [INDEX_RETRY_S]
-        for due in (self._catch_up_at, self._idle_check_at):
-            if due is not None:
-                waits.append(max(0.0, due - time.monotonic()))
+        if self._check_at is not None:
+            waits.append(max(0.0, self._check_at - time.monotonic()))
         return int(min(waits) * 1000) + 1 if waits else -1
 
     def _open(self) -> None:
@@ -282,7 +281,7 @@ class ReplicaStream:
                 elif not self._contacted:
                     await self._first_contact()  # the replica was not reachable when we first tried
                 if self.replay_endpoint:
-                    self._catch_up_at = time.monotonic() + self._settle_s
+                    self._check_at, self._settling = time.monotonic() + self._settle_s, True
                 self._on_progress()
             await self._flush()
 
@@ -302,8 +301,8 @@ class ReplicaStream:
                 continue
             await self._live(seq, payload)
         await self._flush()
-        if self.replay_endpoint:
-            self._idle_check_at = time.monotonic() + self._idle_check_s
+        if self.replay_endpoint and not self._settling:
+            self._check_at = time.monotonic() + self._idle_check_s
 
     async def _live(self, seq: int, payload: bytes) -> None:
         if self._last_live is not None and seq <= self._last_live:
@@ -365,28 +364,30 @@ class ReplicaStream:
         elif outcome == "failed":
             self._lost()
 
-    async def _catch_up(self, *, settled: bool) -> None:
+    async def _check(self) -> None:
         """Replay whatever came after the last batch applied (nothing, usually): what a new
-        subscription missed (``settled``: the stream is synced once the first is done), or what a
-        quiet stream may have lost last."""
-        if settled:
-            self._catch_up_at = None
-        self._idle_check_at = None
-        if self._contacted and self._next is not None:
+        subscription missed (the stream is synced once the first such check is done), or what a
+        quiet stream may have lost last.  Counted as a replay only if it brings something."""
+        settled, self._check_at, self._settling = self._settling, None, False
+        start = self._next
+        if self._contacted and start is not None:
             self.checks += 1
-            outcome = await self._replay_from(self._next, check=True)
+            outcome = await self._replay_from(start, counted=False)
             if outcome == "restarted":
-                await self._restart("the catch-up replay shows another process")
+                await self._restart("the check's replay shows another process")
+            elif outcome == "lost" or self._next != start:
+                self._count_replay()
+                log.info("replica %s: KV-event batches the live stream had missed came by replay", self.name)
         if self._contacted and settled:
             self.synced = True
         self._on_progress()
 
-    async def _replay_from(self, expected: int, *, check: bool = False) -> ReplayOutcome:
+    async def _replay_from(self, expected: int, *, counted: bool = True) -> ReplayOutcome:
         """Replay from ``expected``, starting one earlier to prove it is the same process."""
         previous = self._digests.get(expected - 1)
         if previous is not None:
-            return await self._replay(expected - 1, verify=(expected - 1, previous), drop_first=False, check=check)
-        return await self._replay(expected, verify=None, drop_first=False, check=check)
+            return await self._replay(expected - 1, verify=(expected - 1, previous), drop_first=False, counted=counted)
+        return await self._replay(expected, verify=None, drop_first=False, counted=counted)
 
     async def _restart(self, reason: str) -> None:
         log.warning("replica %s restarted (%s): clearing its index entries", self.name, reason)
@@ -416,19 +417,19 @@ class ReplicaStream:
 
     # -- replay ---------------------------------------------------------------------------
     async def _replay(
-        self, start: int, *, verify: tuple[int, int] | None, drop_first: bool, check: bool = False
+        self, start: int, *, verify: tuple[int, int] | None, drop_first: bool, counted: bool = True
     ) -> ReplayOutcome:
         """Ask the replay endpoint for every batch from ``start`` and apply what is new.
 
         ``verify``: (seq, digest) the first reply must match, else the publisher is another
         process ("restarted", nothing applied).  "lost": the buffer no longer reaches back to
         ``start`` (confirmed entries dropped, the rest applied).  ``drop_first``: drop confirmed
-        entries before applying (first contact).  ``check``: counted as a replay only if it
-        brings batches (a check that finds nothing new is not one).
+        entries before applying (first contact).  ``counted``: in the replay counters (a check
+        counts itself, only when it brought something).
         """
         assert self.replay_endpoint is not None
         await self._flush()
-        if not check:
+        if counted:
             self._count_replay()
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -438,7 +439,6 @@ class ReplicaStream:
             await dealer.send_multipart(replay_request(start))
             first = True
             since_flush = 0
-            found = 0  # batches a check brought
             while True:
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
                 # lands as the reply arrives, and the stream would outlive its stop()
@@ -453,15 +453,10 @@ class ReplicaStream:
                         outcome = "lost"
                     if drop_first or outcome == "lost":
                         self._ops.add("drop", [])
-                    if check and outcome == "lost":
-                        self._count_replay()
                 if seq == END_SEQ:
                     break
                 if self._next is not None and seq < self._next:
                     continue  # applied already (the verified batch, or an overlap)
-                if check and outcome != "lost" and not found:
-                    self._count_replay()
-                found += 1
                 self._apply(seq, payload, live=False)
                 since_flush += 1
                 if since_flush >= self._max_chunk:
@@ -473,8 +468,6 @@ class ReplicaStream:
             outcome = "failed"
         finally:
             dealer.close(linger=0)
-        if check and found:
-            log.info("replica %s: %d KV-event batches the live stream had missed came by replay", self.name, found)
         await self._flush()
         return outcome
 
