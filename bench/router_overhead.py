@@ -313,6 +313,7 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
     from router.index.base import ReplicaSpec
     from router.index.memory import MemoryIndex
     from router.load import LoadTracker
+    from router.placement import snapshot
     from router.policy import RouteRequest, make_policy
     from router.requests import parse_request
     from router.reuse import ReuseTracker
@@ -344,7 +345,7 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
             matches = await index.lookup(chain)
             t5 = time.perf_counter()
             req = RouteRequest(chain=chain, prompt_tokens=len(data) // 4, block_size=16, matches=matches)
-            decision = policy.choose(req, [load.state(name) for name in names])
+            decision = policy.choose(req, [snapshot(name, load, 0) for name in names])
             t6 = time.perf_counter()
             await index.record_prediction(decision.replica, chain)
             t7 = time.perf_counter()

@@ -39,13 +39,12 @@ from router.blocks import block_hashes, namespace_seed
 from router.index.base import ReplicaSpec
 from router.index.memory import MemoryIndex
 from router.load import LoadTracker
-from router.policy.base import Policy, ReplicaState, RouteRequest
+from router.placement import MemoryPredictions, Placement, snapshot
+from router.policy.base import Policy, RouteRequest
 
 from .workloads import Workload, text_proxy
 
 SIM_MODEL = "sim-model"  # the namespace of every chain in the simulator
-# Policies that match prompt text rather than tokens (as router/routing.py): only they get it.
-TEXT_POLICIES = frozenset({"sglang_cache_aware"})
 METRIC_KEYS = (
     "reuse_available",
     "reuse_predicted",
@@ -291,9 +290,7 @@ class FleetSim:
             engine = EmulatedEngine(cfg.profile, block_size=self.block_size, on_kv_event=hook, emit_token_updates=False)
             self.engines.append(engine)
             drive(self.index.add_replica(ReplicaSpec(name, engine.num_gpu_blocks, publishes_events=cfg.kv_events)))
-        self.states: list[ReplicaState] = [self.tracker.state(n) for n in self.names]
-        for st, engine in zip(self.states, self.engines):
-            st.capacity_blocks = engine.num_gpu_blocks
+        self.placement = Placement(policy, MemoryPredictions(self.index), self.tracker)
         self._replica_pos = {n: i for i, n in enumerate(self.names)}
         n = len(self.requests)
         self._order: list[int] = []  # request indices in the order they were routed
@@ -328,7 +325,6 @@ class FleetSim:
                 self._arrivals.append((req.arrival_s, req.index))
         heapq.heapify(self._arrivals)
         self.window = prepared.workload.min_think_s
-        self._wants_text = self.run.policy in TEXT_POLICIES
         end = prepared.workload.end_s
         self._end = math.inf if end is None else end
 
@@ -336,27 +332,18 @@ class FleetSim:
     def _route(self, i: int, arrival: float) -> None:
         req = self.requests[i]
         chain = self.prepared.chains[i].tolist()
-        prompt_tokens = int(self.prepared.prompt_tokens[i])
-        matches = drive(self.index.lookup(chain))
-        for st, engine in zip(self.states, self.engines):
-            st.running = engine.num_running
-            st.waiting = engine.num_waiting
-            st.kv_usage = engine.kv_usage
         route = RouteRequest(
             chain=chain,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=int(self.prepared.prompt_tokens[i]),
             block_size=self.block_size,
-            matches=matches,
             session_key=req.session_key,
-            text=text_proxy(req.tokens()) if self._wants_text else "",
+            text=text_proxy(req.tokens()) if self.policy.needs_text else "",
             now=self.now,
         )
-        decision = self.policy.choose(route, self.states)
-        self.policy.on_routed(route, decision)
-        drive(self.index.record_prediction(decision.replica, chain))
-        # As router/routing.py: the queued prefill work is what the policy believed uncached.
-        uncached = max(0, prompt_tokens - decision.matched_blocks * self.block_size)
-        self.tracker.on_routed(req.request_id, decision.replica, uncached)
+        replicas = [snapshot(name, self.tracker, e.num_running) for name, e in zip(self.names, self.engines)]
+        # the router's own sequence (router/placement.py), on the memory index with virtual time
+        decision = drive(self.placement.place(route, replicas, req.request_id))
+        matches = route.matches
         pos = self._replica_pos[decision.replica]
         run = self.run
         run.arrival[i] = arrival
@@ -365,7 +352,7 @@ class FleetSim:
         run.index_blocks[i] = matches.get(decision.replica, 0)
         run.reasons[decision.reason] = run.reasons.get(decision.reason, 0) + 1
         self._order.append(i)
-        self.engines[pos].submit(self._EngineRequest(req.request_id, chain, prompt_tokens, req.max_tokens), self.now)
+        self.engines[pos].submit(self._EngineRequest(req.request_id, chain, route.prompt_tokens, req.max_tokens), self.now)
 
     def _apply_kv_events(self) -> None:
         for name, ev in self._kv:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterable
 
 RECANCEL_S = 0.1
@@ -22,3 +23,14 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]]) -> None:
         for t in pending:
             t.cancel()
         _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+
+
+def set_nodelay(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY on a connection's TCP socket: a small write (an SSE event) leaves at once
+    instead of waiting on Nagle for the peer's ACK."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass

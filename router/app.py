@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from .config import RouterSettings, load_settings
 from .errors import ApiError, error_middleware, error_response
-from .fleet import Fleet, Replica
+from .fleet import Fleet, Replica, ReplicaStatus
 from .index.base import PrefixIndex
 from .index.memory import MemoryIndex
 from .kvevents import KVEventSubscriber
@@ -118,7 +118,7 @@ class RouterApp:
         self.index = self._given_index or self._make_index()
         self.load = LoadTracker()
         self.metrics = RouterMetrics(self.policy.name, self.policy.reasons, s.max_client_labels)
-        self.fleet = Fleet(s.fleet, self.session, load=self.load, index=self.index)
+        self.fleet = Fleet(s.fleet, self.session, index=self.index)
         self.fleet.subscribe(self._on_fleet_event)
         self.metrics.bind_replicas(self._replica_gauges)
         # the engines' own prefix-cache counters, next to the router's delivered figure
@@ -247,10 +247,21 @@ class RouterApp:
         if event in ("left", "down"):
             self.policy.forget_replica(replica.name)
         if event == "left":
+            self.load.remove(replica.name)
             self.metrics.forget_replica(replica.name)
 
-    def _replica_gauges(self) -> Iterable[tuple[str, bool, str, int, int, float]]:
+    def _replica_status(self) -> list[ReplicaStatus]:
+        """The fleet's view of each replica joined with this router's own load there."""
+        out = []
         for st in self.fleet.status():
+            load = self.load.states.get(st.name)
+            if load is not None:
+                st.in_flight, st.queued_prefill_tokens = load.in_flight, load.queued_prefill_tokens
+            out.append(st)
+        return out
+
+    def _replica_gauges(self) -> Iterable[tuple[str, bool, str, int, int, float]]:
+        for st in self._replica_status():
             load = self.load.states.get(st.name)
             rate = load.prefill_rate if load is not None else 0.0
             yield st.name, st.healthy, st.breaker_state, st.in_flight, st.queued_prefill_tokens, rate
@@ -325,6 +336,8 @@ class RouterApp:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        """app -> routing (a decision) -> proxy (attempts until one is past its first byte) ->
+        routing again (what happened): each step calls the next; none calls back."""
         started = time.perf_counter()
         try:
             api_key = self._check_client(request)
@@ -339,23 +352,28 @@ class RouterApp:
                 raw = await request.read()
                 parsed = parse_request(kind, raw)
                 model_label = self._model_label(parsed.request.model)
-                plan = await self.router.plan(
+                decision = await self.router.route(
                     parsed, request_id=rid, session_header=request.headers.get("X-Session-ID"), api_key=api_key
                 )
             except (ApiError, web.HTTPException) as exc:
                 self.metrics.requests.labels(model_label, "none", str(exc.status)).inc()
                 raise
+            body = parsed.forward_body(decision.additions)
             outcome = Outcome()
             try:
-                return await self.proxy.forward(
-                    request,
-                    plan,
-                    request.path,
-                    parsed.forward_body(plan.additions),
-                    request_id=rid,
-                    stream=parsed.stream,
-                    strip_usage=not parsed.client_wants_usage,
-                    outcome=outcome,
+                while (
+                    opened := await self.proxy.open(
+                        decision.replica, request.path, body, request_id=rid, stream=parsed.stream, outcome=outcome
+                    )
+                ) is None:
+                    rerouted = self.router.reroute(decision)
+                    if rerouted is None:
+                        return self.proxy.unanswered(outcome, rid)
+                    decision = rerouted
+                if opened.ttft_s is not None:
+                    self.router.first_token(decision, opened.ttft_s)
+                return await self.proxy.respond(
+                    request, opened, request_id=rid, strip_usage=not parsed.client_wants_usage, outcome=outcome
                 )
             except ApiError as exc:
                 outcome.status = exc.status
@@ -369,7 +387,7 @@ class RouterApp:
             finally:
                 if outcome.sent_at is not None:
                     self.metrics.added_latency.observe(outcome.sent_at - started)
-                await plan.finish(outcome)
+                self.router.report(decision, outcome)
         finally:
             self._release()
 
@@ -449,7 +467,7 @@ class RouterApp:
     # -- admin --------------------------------------------------------------------------------
     async def _admin_replicas(self, request: web.Request) -> web.Response:
         self._check_admin(request)
-        return web.json_response({"replicas": [asdict(st) for st in self.fleet.status()]})
+        return web.json_response({"replicas": [asdict(st) for st in self._replica_status()]})
 
     async def _admin_body_replica(self, request: web.Request) -> str:
         body = decode_json_object(await request.read())

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,7 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .aio import cancel_and_wait
 from .breaker import BreakerState, CircuitBreaker
 from .index.base import PrefixIndex, ReplicaSpec
-from .load import LoadTracker
 from .registry import ReplicaRecord, list_replicas
 from .scrape import ScrapeResult, parse_vllm_metrics
 
@@ -99,6 +98,13 @@ def address_url(scheme: str, address: str, port: int) -> str:
     return f"{scheme}://[{address}]:{port}" if ":" in address else f"{scheme}://{address}:{port}"
 
 
+def card_parent(card: Mapping[str, Any]) -> str | None:
+    """The base model a LoRA adapter's model card names (vLLM's /v1/models gives an adapter's
+    card a ``parent``); None for a base model's card."""
+    parent = card.get("parent")
+    return parent if isinstance(parent, str) and parent and parent != card.get("id") else None
+
+
 @dataclass(eq=False)
 class Replica:
     name: str  # stable id: its base URL
@@ -138,8 +144,6 @@ class ReplicaStatus:
     draining: bool
     breaker_state: BreakerState
     breaker_opened_total: int
-    in_flight: int
-    queued_prefill_tokens: int
     running: int
     waiting: int
     kv_usage: float
@@ -150,6 +154,9 @@ class ReplicaStatus:
     events_endpoint: str | None
     health_failures: int
     scrape_age_s: float | None
+    # this router's own load there (router.load owns it; the app fills it in)
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
 
 
 class Fleet:
@@ -158,13 +165,11 @@ class Fleet:
         settings: FleetSettings,
         session: aiohttp.ClientSession,
         *,
-        load: LoadTracker,
         index: PrefixIndex,
         redis: aioredis.Redis | None = None,  # else created from settings.redis_url when needed
     ):
         self.settings = settings
         self.session = session
-        self.load = load
         self.index = index
         self._redis = redis
         self._owns_redis = False
@@ -280,7 +285,6 @@ class Fleet:
         now = time.monotonic()
         out = []
         for r in self._replicas.values():
-            st = self.load.states.get(r.name)
             out.append(
                 ReplicaStatus(
                     name=r.name,
@@ -288,8 +292,6 @@ class Fleet:
                     draining=r.draining,
                     breaker_state=r.breaker.state,
                     breaker_opened_total=r.breaker.opened_times,
-                    in_flight=st.in_flight if st else 0,
-                    queued_prefill_tokens=st.queued_prefill_tokens if st else 0,
                     running=r.running,
                     waiting=r.waiting,
                     kv_usage=r.kv_usage,
@@ -450,7 +452,6 @@ class Fleet:
         log.info("replica %s left", r.name)
         await self._index_call(self.index.remove_replica(r.name), r)
         r.indexed_spec = None
-        self.load.remove(r.name)
         self._notify("left", r)
 
     # -- health -------------------------------------------------------------------------------
@@ -478,16 +479,13 @@ class Fleet:
 
     async def _mark_up(self, r: Replica) -> None:
         r.healthy = True
-        self.load.state(r.name).healthy = True
         log.info("replica %s is up (models %s)", r.name, sorted(r.models))
         await self._sync_index(r)
         self._notify("up", r)
 
     async def _mark_down(self, r: Replica) -> None:
         r.healthy = False
-        st = self.load.state(r.name)
-        st.healthy = False
-        st.running = st.waiting = 0
+        r.running = r.waiting = 0
         log.warning("replica %s is down after %d failed health checks", r.name, r.health_failures)
         # Whatever it cached is gone or unknown once it crashed: drop its index entries.
         await self._index_call(self.index.remove_replica(r.name), r)
@@ -560,10 +558,6 @@ class Fleet:
         )
         r.process_start_time = scraped.process_start_time
         self._resolve_geometry(r)
-        st = self.load.state(r.name)
-        st.running, st.waiting, st.kv_usage = r.running, r.waiting, r.kv_usage
-        st.capacity_blocks = r.capacity_blocks or self.settings.fallback_capacity_blocks
-        st.healthy = r.healthy
         if restarted and r.indexed_spec is not None:
             # Restarted between two health checks: its cache is empty, whatever the index says.
             log.warning("replica %s restarted: dropping its index entries", r.name)

@@ -10,11 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .policy.base import ReplicaState
-
 DEFAULT_PREFILL_RATE = 10_000.0  # tokens/s, a prior until the first samples arrive
 RATE_EWMA_ALPHA = 0.2
 MIN_SAMPLE_TOKENS = 64  # tiny prefills are dominated by fixed costs: poor rate samples
+
+
+@dataclass
+class ReplicaLoad:
+    """What this router sent one replica: its own count, not the engine's (the fleet scrapes that)."""
+
+    in_flight: int = 0  # requests routed there and not finished
+    queued_prefill_tokens: int = 0  # uncached prompt tokens routed there, first token not yet back
+    prefill_rate: float = DEFAULT_PREFILL_RATE  # tokens/s, learned online
 
 
 @dataclass
@@ -28,13 +35,13 @@ class _Pending:
 class LoadTracker:
     def __init__(self, prior_rate: float = DEFAULT_PREFILL_RATE):
         self.prior_rate = prior_rate
-        self.states: dict[str, ReplicaState] = {}
+        self.states: dict[str, ReplicaLoad] = {}
         self._pending: dict[str, _Pending] = {}
 
-    def state(self, replica: str) -> ReplicaState:
+    def state(self, replica: str) -> ReplicaLoad:
         st = self.states.get(replica)
         if st is None:
-            st = self.states[replica] = ReplicaState(name=replica, prefill_rate=self.prior_rate)
+            st = self.states[replica] = ReplicaLoad(prefill_rate=self.prior_rate)
         return st
 
     def remove(self, replica: str) -> None:

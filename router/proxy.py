@@ -28,17 +28,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
 import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from .aio import set_nodelay
 from .errors import ApiError, sse_error_event
 from .upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse
 
@@ -96,18 +96,18 @@ class Outcome:
     ttft_s: float | None = None
     attempts: int = 0
     sent_at: float | None = None  # perf_counter when the first upstream request was sent
+    error: str | bytes | None = None  # why the last attempt failed before the first byte (bytes: its answer)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Attempts(Protocol):
-    """The routing side of a request: which replica to try, and what to learn from the result."""
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A replica's answer past its first byte: the request is committed to it."""
 
     replica: str
-
-    def failover(self) -> str | None:
-        """The current replica failed before the first byte: the next best one, or None."""
-
-    def first_token(self, ttft_s: float) -> None: ...
+    upstream: UpstreamResponse
+    data: bytes  # the whole body (non-streamed or an error), else the stream's first chunk
+    ttft_s: float | None  # a stream's time to its first event; None for a whole answer
 
 
 def make_upstream_session(timeouts: Timeouts) -> aiohttp.ClientSession:
@@ -134,12 +134,7 @@ def _nodelay(transport: asyncio.BaseTransport | None) -> None:
     """TCP_NODELAY on a connection's socket, once per connection (a syscall is not free)."""
     if transport is None or transport in _nodelay_done:
         return
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
+    set_nodelay(transport)
     try:
         _nodelay_done.add(transport)
     except TypeError:  # a transport without weak references: set it every time
@@ -262,7 +257,7 @@ class Proxy:
     ):
         """``on_failure(replica, stage)`` with stage connect|first_byte|mid_stream; ``on_success(replica)``."""
         self.pool = pool
-        self.timeouts = timeouts  # connect is the pool's; first byte and idle are forward()'s own
+        self.timeouts = timeouts  # connect is the pool's; first byte and idle are open() and respond()'s own
         self.replica_url = replica_url
         # what every upstream request carries (the replicas' own API key), merged once
         self._fixed_headers = {**upstream_headers, "Content-Type": "application/json"}
@@ -278,77 +273,93 @@ class Proxy:
             raise UpstreamError(f"replica {replica} is gone")
         return await self.pool.request(base, path, self._headers(request_id), body)
 
-    async def forward(
+    async def open(
+        self, replica: str, path: str, body: bytes, *, request_id: str, stream: bool, outcome: Outcome
+    ) -> Opened | None:
+        """Send ``body`` to ``replica`` and wait for its first byte (a stream's first event, or a
+        whole non-streamed answer).  None when it failed before that: retryable elsewhere, the
+        reason kept in ``outcome`` for :meth:`unanswered`."""
+        outcome.attempts += 1
+        outcome.replica = replica
+        sent = time.perf_counter()
+        if outcome.sent_at is None:
+            outcome.sent_at = sent
+        upstream: UpstreamResponse | None = None
+        try:
+            async with asyncio.timeout(self.timeouts.first_byte_s):
+                upstream = await self._send(replica, path, body, request_id)
+                if upstream.status in _RETRY_STATUSES:
+                    data = await upstream.read()
+                    upstream.release()
+                    outcome.status, outcome.error = upstream.status, normalize_error_body(upstream.status, data)
+                    log.warning("request %s: replica %s answered %d", request_id, replica, upstream.status)
+                    # a 429 is a busy replica, not a broken one: retry elsewhere, keep its breaker
+                    if upstream.status != 429:
+                        self.on_failure(replica, "first_byte")
+                    return None
+                if upstream.status >= 400 or not stream:
+                    data = await upstream.read()  # whole: within the first-byte timeout
+                    upstream.release()
+                    return Opened(replica, upstream, data, None)
+                first = await upstream.readany()
+                if not first:
+                    raise UpstreamDisconnected("stream ended before its first event")
+        except asyncio.CancelledError:
+            if upstream is not None:
+                upstream.close()  # the client left before the first byte: abort upstream too
+            raise
+        except _UPSTREAM_ERRORS as exc:
+            if upstream is not None:
+                upstream.close()
+            stage = "connect" if isinstance(exc, UpstreamConnectError) else "first_byte"
+            outcome.status = 504 if isinstance(exc, TimeoutError) else 502
+            outcome.error = f"replica {replica} failed before answering ({stage}): {_describe(exc)}"
+            log.warning("request %s: %s", request_id, outcome.error)
+            self.on_failure(replica, stage)
+            return None
+        outcome.ttft_s = time.perf_counter() - sent
+        return Opened(replica, upstream, first, outcome.ttft_s)
+
+    async def respond(
+        self, request: web.Request, opened: Opened, *, request_id: str, strip_usage: bool = False, outcome: Outcome
+    ) -> web.StreamResponse:
+        """Committed: the client gets ``opened``'s answer (a stream relayed as it comes)."""
+        headers = {"X-Request-Id": request_id}
+        upstream = opened.upstream
+        if opened.ttft_s is None:
+            self.on_success(opened.replica)
+            return self._whole_response(upstream, opened.data, headers, outcome)
+        return await self._relay_stream(request, upstream, opened.data, opened.replica, headers, strip_usage, outcome)
+
+    @staticmethod
+    def unanswered(outcome: Outcome, request_id: str) -> web.Response:
+        """Every attempt failed before the first byte: the last replica's own error answer, else
+        a 502/504 saying why (raised as an :class:`ApiError`)."""
+        headers = {"X-Request-Id": request_id}
+        if not outcome.attempts:
+            outcome.status = 503
+        if isinstance(outcome.error, bytes):
+            return web.Response(status=outcome.status, body=outcome.error, content_type="application/json", headers=headers)
+        code = "upstream_timeout" if outcome.status == 504 else "upstream_unavailable"
+        reason = outcome.error or "no replica available"
+        raise ApiError(outcome.status, f"no replica could serve the request: {reason}", code=code, headers=headers)
+
+    async def forward_plain(
         self,
         request: web.Request,
-        attempts: Attempts,
+        replicas: list[str],
         path: str,
         body: bytes,
         *,
         request_id: str,
-        stream: bool,
-        strip_usage: bool = False,
         outcome: Outcome,
     ) -> web.StreamResponse:
-        """Send ``body`` to ``attempts.replica`` (then the next ones) and relay the answer."""
-        replica: str | None = attempts.replica
-        last_error: str | bytes = "no replica available"
-        last_status = 503
-        headers = {"X-Request-Id": request_id}
-        while replica is not None:
-            outcome.attempts += 1
-            outcome.replica = replica
-            sent = time.perf_counter()
-            if outcome.sent_at is None:
-                outcome.sent_at = sent
-            upstream: UpstreamResponse | None = None
-            try:
-                async with asyncio.timeout(self.timeouts.first_byte_s):
-                    upstream = await self._send(replica, path, body, request_id)
-                    if upstream.status in _RETRY_STATUSES:
-                        data = await upstream.read()
-                        upstream.release()
-                        last_status, last_error = upstream.status, normalize_error_body(upstream.status, data)
-                        log.warning("request %s: replica %s answered %d", request_id, replica, upstream.status)
-                        # a 429 is a busy replica, not a broken one: retry elsewhere, keep its breaker
-                        if upstream.status != 429:
-                            self.on_failure(replica, "first_byte")
-                        replica = attempts.failover()
-                        continue
-                    if upstream.status >= 400 or not stream:
-                        data = await upstream.read()  # whole: within the first-byte timeout
-                        upstream.release()
-                    else:
-                        first = await upstream.readany()
-                        if not first:
-                            raise UpstreamDisconnected("stream ended before its first event")
-            except asyncio.CancelledError:
-                if upstream is not None:
-                    upstream.close()  # the client left before the first byte: abort upstream too
-                raise
-            except _UPSTREAM_ERRORS as exc:
-                if upstream is not None:
-                    upstream.close()
-                stage = "connect" if isinstance(exc, UpstreamConnectError) else "first_byte"
-                last_status = 504 if isinstance(exc, TimeoutError) else 502
-                last_error = f"replica {replica} failed before answering ({stage}): {_describe(exc)}"
-                log.warning("request %s: %s", request_id, last_error)
-                self.on_failure(replica, stage)
-                replica = attempts.failover()
-                continue
-            # committed: from here on the client gets this replica's answer
-            if upstream.status >= 400 or not stream:
-                self.on_success(replica)
-                return self._whole_response(upstream, data, headers, outcome)
-            ttft = time.perf_counter() - sent
-            outcome.ttft_s = ttft
-            attempts.first_token(ttft)
-            return await self._relay_stream(request, upstream, first, replica, headers, strip_usage, outcome)
-        outcome.status = last_status
-        if isinstance(last_error, bytes):  # the last replica's own error answer
-            return web.Response(status=last_status, body=last_error, content_type="application/json", headers=headers)
-        code = "upstream_timeout" if last_status == 504 else "upstream_unavailable"
-        raise ApiError(last_status, f"no replica could serve the request: {last_error}", code=code, headers=headers)
+        """Pass-through endpoints (/tokenize, /v1/embeddings ...): no routing, tried in order."""
+        for replica in replicas:
+            opened = await self.open(replica, path, body, request_id=request_id, stream=False, outcome=outcome)
+            if opened is not None:
+                return await self.respond(request, opened, request_id=request_id, outcome=outcome)
+        return self.unanswered(outcome, request_id)
 
     @staticmethod
     def _whole_response(
@@ -441,34 +452,6 @@ class Proxy:
                 upstream.close()  # aborts the request on the engine if it is still running
         return resp
 
-    async def forward_plain(
-        self,
-        request: web.Request,
-        replicas: list[str],
-        path: str,
-        body: bytes,
-        *,
-        request_id: str,
-        outcome: Outcome,
-    ) -> web.StreamResponse:
-        """Pass-through endpoints (/tokenize, /v1/embeddings ...): no routing, retry in order."""
-        return await self.forward(
-            request, _FixedOrder(replicas), path, body, request_id=request_id, stream=False, outcome=outcome
-        )
-
-
-class _FixedOrder:
-    def __init__(self, replicas: list[str]):
-        self._order = list(replicas)
-        self.replica = self._order.pop(0) if self._order else None  # type: ignore[assignment]
-
-    def failover(self) -> str | None:
-        self.replica = self._order.pop(0) if self._order else None  # type: ignore[assignment]
-        return self.replica
-
-    def first_token(self, ttft_s: float) -> None:
-        pass
-
 
 _background: set[asyncio.Task[None]] = set()
 
@@ -496,7 +479,7 @@ def _describe(exc: BaseException) -> str:
 
 
 __all__ = [
-    "Attempts",
+    "Opened",
     "Outcome",
     "Proxy",
     "SseRelay",

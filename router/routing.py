@@ -1,8 +1,9 @@
 """The per-request routing pipeline.
 
-tokenize -> block chain (seed: model, LoRA adapter, cache_salt) -> index lookup -> policy over the
-eligible replicas' load states -> record the prediction and the load -> a :class:`RoutePlan` that
-the proxy follows, asking it for the next-best replica when one fails before the first byte.
+tokenize -> block chain (seed: model, LoRA adapter, cache_salt) -> the routing sequence of
+``placement.py`` (index lookup -> policy over a snapshot of the eligible replicas -> record the
+prediction and the load) -> an immutable :class:`RouteDecision`.  The app forwards it through the
+proxy and reports back: ``reroute`` (failed before the first byte), ``first_token``, ``report``.
 
 Tokens: the model's own tokenizer and chat template when one is configured (exact block
 hashes).  Without one the router still routes cache-aware, approximately: the prompt's UTF-8
@@ -25,7 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,11 +35,12 @@ from .blocks import namespace_seed, token_bytes
 from .chain_memo import ChainMemo
 from .config import RouterSettings
 from .errors import ApiError
-from .fleet import Fleet, Replica
+from .fleet import Fleet, Replica, card_parent
 from .index.base import PrefixIndex
 from .load import LoadTracker
 from .metrics import RouterMetrics
-from .policy.base import Decision, Policy, RouteRequest
+from .placement import Placement, snapshot
+from .policy.base import Policy, ReplicaState, RouteRequest
 from .proxy import Outcome
 from .requests import ParsedRequest, prompt_batch
 from .reuse import ReuseTracker
@@ -46,8 +48,6 @@ from .tokens import TokenizerError, TokenizerRegistry
 
 log = logging.getLogger("kvroute.router")
 
-# policies that match prompt text rather than tokens (sglang's rule): only they get the text
-_TEXT_POLICIES = frozenset({"sglang_cache_aware"})
 # body fields of a chat request that change the rendered prompt (vLLM's ChatCompletionRequest)
 _RENDER_FIELDS = ("add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template")
 
@@ -76,10 +76,8 @@ def adapter_of(model: str, replicas: Sequence[Replica]) -> tuple[str | None, str
     for r in replicas:
         for card in r.model_cards:
             if card.get("id") == model:
-                parent = card.get("parent")
-                if isinstance(parent, str) and parent and parent != model:
-                    return model, parent
-                return None, model
+                parent = card_parent(card)
+                return (model, parent) if parent else (None, model)
     return None, model
 
 
@@ -96,7 +94,7 @@ def client_label(user: str | None, api_key: str | None) -> str:
     return "anonymous"
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Prompt:
     """What routing computed from the request body."""
 
@@ -106,39 +104,81 @@ class Prompt:
     exact: bool  # tokenized with the model's own tokenizer
 
 
-@dataclass
-class RoutePlan:
-    """One request's route: the chosen replica, how to fail over, what to record at the end."""
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """One request's route as routing decided it.  Immutable: a failover is a new decision.
 
-    router: Router
+    The app hands it to the proxy (``replica``) and back to :meth:`Router.reroute`,
+    :meth:`Router.first_token` and :meth:`Router.report`; it holds data only.
+    """
+
     request_id: str
-    load_key: str
+    load_key: str  # the load tracker's key: unique even when clients repeat request ids
     model: str
-    block_size: int
-    seed: int
+    client: str  # who sent it, for per-client metrics
     prompt: Prompt
-    chains: list[list[int]]
-    route: RouteRequest
-    decision: Decision
-    additions: dict[str, Any]
-    client: str
+    chains: tuple[list[int], ...]  # one per prompt of the batch
+    seed: int  # the chains' namespace seed
+    route: RouteRequest  # what the policy saw (matches included)
     replica: str
-    predicted_blocks: int = 0  # what the policy believed the replica finally used held
-    tried: list[str] = field(default_factory=list)
-    pending_writes: list[asyncio.Task[None]] = field(default_factory=list)
-    finished: bool = False
+    reason: str
+    predicted_blocks: int  # what the policy believed the replica held
+    tried: tuple[str, ...] = ()  # replicas that failed before the first byte
+    additions: Mapping[str, Any] = field(default_factory=dict)  # body fields routing adds upstream
 
-    def failover(self) -> str | None:
-        return self.router._failover(self)
 
-    def first_token(self, ttft_s: float) -> None:
-        self.router._first_token(self, ttft_s)
+class _IndexCalls:
+    """The index as routing uses it: a lookup bounded by the timeout, predictions not awaited."""
 
-    async def finish(self, outcome: Outcome) -> None:
-        await self.router._finish(self, outcome)
+    def __init__(self, index: PrefixIndex, timeout_s: float, metrics: RouterMetrics):
+        self.index = index
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self._writes: set[asyncio.Task[None]] = set()
+
+    async def lookup(self, chain: Sequence[int]) -> dict[str, int]:
+        if self.index.in_process:
+            return self.index.lookup_now(chain)
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                matches = await self.index.lookup(chain)
+        except Exception as exc:  # noqa: BLE001 - an index outage degrades routing, never a request
+            self.metrics.index_errors.labels("lookup").inc()
+            log.warning("index lookup failed, routing without it: %r", exc)
+            return {}
+        self.metrics.lookup_latency.observe(time.perf_counter() - started)
+        return matches
+
+    def record_prediction(self, replica: str, chain: Sequence[int]) -> None:
+        if self.index.in_process:
+            self.index.record_prediction_now(replica, chain)
+            return
+        # behind the request, never awaited by it; the write overlaps the upstream request
+        task = asyncio.ensure_future(self._timed_write(self.index.record_prediction(replica, chain)))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _timed_write(self, call: Awaitable[None]) -> None:
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await call
+        except Exception as exc:  # noqa: BLE001 - see lookup
+            self.metrics.index_errors.labels("record_prediction").inc()
+            log.warning("index write failed: %r", exc)
+            return
+        self.metrics.record_latency.observe(time.perf_counter() - started)
 
 
 class Router:
+    """Decides where a request goes and learns from how it went; it never calls the proxy.
+
+    ``route`` -> a :class:`RouteDecision`; the app forwards it, asks ``reroute`` when the replica
+    failed before the first byte, tells ``first_token`` when the first token came back, and
+    ends with ``report``.
+    """
+
     def __init__(
         self,
         settings: RouterSettings,
@@ -153,9 +193,9 @@ class Router:
     ):
         self.settings = settings
         self.fleet = fleet
-        self.index = index
         self.load = load
         self.policy = policy
+        self.placement = Placement(policy, _IndexCalls(index, settings.index_timeout_s, metrics), load)
         self.tokenizers = tokenizers
         self.reuse = reuse
         self.metrics = metrics
@@ -168,10 +208,10 @@ class Router:
         self._approx_warned: set[str] = set()
         self._reports_cached: set[str] = set()  # replicas known to fill usage.prompt_tokens_details
 
-    # -- the pipeline -----------------------------------------------------------------------
-    async def plan(
+    # -- the decision -----------------------------------------------------------------------
+    async def route(
         self, parsed: ParsedRequest, *, request_id: str, session_header: str | None, api_key: str | None
-    ) -> RoutePlan:
+    ) -> RouteDecision:
         req = parsed.request
         model = req.model
         replicas = self.eligible(model)
@@ -200,35 +240,51 @@ class Router:
             )
         block_size = self.fleet.block_size(model)
         seed = namespace_seed(base, lora, salt)
-        chains = [self.chains.chain(data, block_size, seed) for data in prompt.data]
-        matches = await self._lookup(chains[0])
+        chains = tuple(self.chains.chain(data, block_size, seed) for data in prompt.data)
         route = RouteRequest(
             chain=chains[0],
             prompt_tokens=prompt.tokens,
             block_size=block_size,
-            matches=matches,
             session_key=session_key,
             text=prompt.text,
             now=time.monotonic(),
         )
-        decision = self._choose(route, replicas)
-        plan = RoutePlan(
-            router=self,
+        load_key = f"{request_id}#{next(self._ids)}"  # client ids may repeat; load keys must not
+        decision = await self.placement.place(route, self._snapshot(replicas), load_key, chains)
+        self.metrics.decision(decision.reason)
+        return RouteDecision(
             request_id=request_id,
-            load_key=f"{request_id}#{next(self._ids)}",  # client ids may repeat; load keys must not
+            load_key=load_key,
             model=model,
-            block_size=block_size,
-            seed=seed,
+            client=client_label(req.user, api_key),
             prompt=prompt,
             chains=chains,
+            seed=seed,
             route=route,
-            decision=decision,
-            additions=additions,
-            client=client_label(req.user, api_key),
             replica=decision.replica,
+            reason=decision.reason,
+            predicted_blocks=decision.matched_blocks,
+            additions=additions,
         )
-        self._routed(plan, decision, decision.reason)
-        return plan
+
+    def reroute(self, decision: RouteDecision) -> RouteDecision | None:
+        """``decision.replica`` failed before the first byte: the next best replica's decision, or
+        None when the attempts are spent or no other replica is eligible."""
+        self.load.on_finished(decision.load_key)
+        tried = (*decision.tried, decision.replica)
+        if len(tried) > self.settings.retry_attempts:
+            return None
+        replicas = [r for r in self.fleet.eligible(decision.model) if r.name not in tried]
+        if not replicas:
+            return None
+        chosen = self.placement.commit(decision.route, self._snapshot(replicas), decision.load_key, decision.chains)
+        self.metrics.decision("failover")
+        return replace(
+            decision, replica=chosen.replica, reason="failover", predicted_blocks=chosen.matched_blocks, tried=tried
+        )
+
+    def _snapshot(self, replicas: Sequence[Replica]) -> list[ReplicaState]:
+        return [snapshot(r.name, self.load, r.running) for r in replicas]
 
     def eligible(self, model: str) -> list[Replica]:
         """Replicas that may take a request for ``model``; 404 if none serves it, 503 if none is up."""
@@ -248,7 +304,7 @@ class Router:
         body = parsed.body
         # an adapter without a tokenizer of its own uses its base model's (else the default one)
         tok = self.tokenizers.get(model if model in self._explicit_tokenizers else base)
-        want_text = self.policy.name in _TEXT_POLICIES
+        want_text = self.policy.needs_text
         if parsed.kind == "chat":
             messages = body["messages"]
             if tok is not None:
@@ -293,103 +349,33 @@ class Router:
             self._approx_warned.add(model)
             log.warning("no tokenizer configured for model %s: routing on approximate (byte) blocks", model)
 
-    async def _lookup(self, chain: list[int]) -> dict[str, int]:
-        if not chain:
-            return {}
-        if self.index.in_process:
-            return self.index.lookup_now(chain)
-        started = time.perf_counter()
-        try:
-            async with asyncio.timeout(self.settings.index_timeout_s):
-                matches = await self.index.lookup(chain)
-        except Exception as exc:  # noqa: BLE001 - an index outage degrades routing, never a request
-            self.metrics.index_errors.labels("lookup").inc()
-            log.warning("index lookup failed, routing without it: %r", exc)
-            return {}
-        self.metrics.lookup_latency.observe(time.perf_counter() - started)
-        return matches
-
-    def _choose(self, route: RouteRequest, replicas: list[Replica]) -> Decision:
-        states = [self.load.state(r.name) for r in replicas]
-        decision = self.policy.choose(route, states)
-        self.policy.on_routed(route, decision)
-        return decision
-
-    def _routed(self, plan: RoutePlan, decision: Decision, reason: str) -> None:
-        """Book the request on the decision's replica: load, predictions, decision metric."""
-        replica = plan.replica = decision.replica
-        plan.predicted_blocks = decision.matched_blocks
-        uncached = max(0, plan.prompt.tokens - decision.matched_blocks * plan.block_size)
-        self.load.on_routed(plan.load_key, replica, uncached)
-        self.metrics.decision(reason)
-        for chain in plan.chains:
-            if not chain:
-                continue
-            if self.index.in_process:
-                self.index.record_prediction_now(replica, chain)
-            else:
-                self._write(plan, self.index.record_prediction(replica, chain))
-
-    def _write(self, plan: RoutePlan, call: Awaitable[None]) -> None:
-        """Index writes overlap the upstream request; the plan awaits them before it finishes."""
-        task = asyncio.ensure_future(self._timed_write(call))
-        plan.pending_writes.append(task)
-
-    async def _timed_write(self, call: Awaitable[None]) -> None:
-        started = time.perf_counter()
-        try:
-            async with asyncio.timeout(self.settings.index_timeout_s * 5):
-                await call
-        except Exception as exc:  # noqa: BLE001 - see _lookup
-            self.metrics.index_errors.labels("record_prediction").inc()
-            log.warning("index write failed: %r", exc)
-            return
-        self.metrics.record_latency.observe(time.perf_counter() - started)
-
-    # -- during and after the request -------------------------------------------------------
-    def _failover(self, plan: RoutePlan) -> str | None:
-        plan.tried.append(plan.replica)
-        self.load.on_finished(plan.load_key)
-        if len(plan.tried) > self.settings.retry_attempts:
-            return None
-        replicas = [r for r in self.fleet.eligible(plan.model) if r.name not in plan.tried]
-        if not replicas:
-            return None
-        decision = self._choose(plan.route, replicas)
-        self._routed(plan, decision, "failover")
-        return decision.replica
-
-    def _first_token(self, plan: RoutePlan, ttft_s: float) -> None:
-        seen = self.load.on_first_token(plan.load_key, ttft_s)
+    # -- what happened ----------------------------------------------------------------------
+    def first_token(self, decision: RouteDecision, ttft_s: float) -> None:
+        seen = self.load.on_first_token(decision.load_key, ttft_s)
         if seen is not None:
             replica, uncached = seen
             self.policy.on_first_token(replica, uncached, ttft_s)
-        self.metrics.model(plan.model).ttft.observe(ttft_s)
+        self.metrics.model(decision.model).ttft.observe(ttft_s)
 
-    async def _finish(self, plan: RoutePlan, outcome: Outcome) -> None:
-        if plan.finished:
-            return
-        plan.finished = True
-        self.load.on_finished(plan.load_key)
-        self.metrics.requests.labels(plan.model, outcome.replica or plan.replica, str(outcome.status)).inc()
+    def report(self, decision: RouteDecision, outcome: Outcome) -> None:
+        """The request ended (answered, failed or abandoned): release its load, count it, and
+        account its reuse once the answer is written (CPU work the client need not wait for)."""
+        self.load.on_finished(decision.load_key)
+        self.metrics.requests.labels(decision.model, outcome.replica or decision.replica, str(outcome.status)).inc()
         if 200 <= outcome.status < 300:
-            # CPU work the client need not wait for: it runs once the answer has been written
-            asyncio.get_running_loop().call_soon(self._account, plan, outcome)
-        if plan.pending_writes:
-            # already done in practice (they overlapped the upstream request); awaiting them means a
-            # client's next request finds this one's prediction, on any router sharing the index
-            await asyncio.gather(*plan.pending_writes, return_exceptions=True)
+            asyncio.get_running_loop().call_soon(self._account, decision, outcome)
 
-    def _account(self, plan: RoutePlan, outcome: Outcome) -> None:
+    def _account(self, decision: RouteDecision, outcome: Outcome) -> None:
         """The hit-rate breakdown, for answered requests only: the figures share one denominator."""
-        m = self.metrics.model(plan.model)
-        m.prompt_tokens.inc(plan.prompt.tokens)
-        m.reuse_available.inc(self._observe_reuse(plan) * plan.block_size)
-        m.reuse_predicted.inc(plan.predicted_blocks * plan.block_size)
+        m = self.metrics.model(decision.model)
+        block_size = decision.route.block_size
+        m.prompt_tokens.inc(decision.prompt.tokens)
+        m.reuse_available.inc(self._observe_reuse(decision) * block_size)
+        m.reuse_predicted.inc(decision.predicted_blocks * block_size)
         cached = self._cached_tokens(outcome)
         if cached is not None:
             m.reuse_delivered.inc(cached)
-            m.reuse_measured_prompt.inc(plan.prompt.tokens)
+            m.reuse_measured_prompt.inc(decision.prompt.tokens)
 
     def _cached_tokens(self, outcome: Outcome) -> int | None:
         """Cached prompt tokens the engine reported, or None if it does not report them.
@@ -406,15 +392,16 @@ class Router:
             return usage.cached_tokens
         return 0 if replica in self._reports_cached else None
 
-    def _observe_reuse(self, plan: RoutePlan) -> int:
+    def _observe_reuse(self, decision: RouteDecision) -> int:
         """Available blocks over the batch; flags a cache-hostile prompt."""
         available = 0
         hostile = False
-        for chain, data in zip(plan.chains, plan.prompt.data):
+        block_size = decision.route.block_size
+        for chain, data in zip(decision.chains, decision.prompt.data):
             ids = np.frombuffer(data, dtype="<u4")
-            seen = self.reuse.observe(plan.model, chain, ids, plan.block_size, plan.seed)
+            seen = self.reuse.observe(decision.model, chain, ids, block_size, decision.seed)
             available += seen.available_blocks
             hostile = hostile or seen.cache_hostile
         if hostile:
-            self.metrics.hostile(plan.client)
+            self.metrics.hostile(decision.client)
         return available

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import ssl
 from collections.abc import Mapping
 from urllib.parse import quote, urlsplit
+
+from .aio import set_nodelay
 
 MAX_HEAD_BYTES = 64 * 1024  # status line + headers; a larger head is malformed
 MAX_CHUNK_LINE = 4096  # a chunk-size line (with extensions) or a trailer line
@@ -177,12 +178,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:  # once per connection: no request waits on Nagle
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        set_nodelay(transport)  # once per connection: no request waits on Nagle
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

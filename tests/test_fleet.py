@@ -18,7 +18,6 @@ from aiohttp import web
 
 from router.fleet import Fleet, FleetSettings, address_url, normalize_url, select_addresses
 from router.index.memory import MemoryIndex
-from router.load import LoadTracker
 from router.registry import ReplicaRecord, keep_registered, register
 from router.scrape import parse_vllm_metrics
 from tests.conftest import free_port
@@ -147,7 +146,6 @@ async def fleets(session):
         fleet = Fleet(
             FleetSettings(**{**FAST, **settings}),
             session,
-            load=LoadTracker(),
             index=index if index is not None else MemoryIndex(),
             redis=redis,
         )
@@ -203,14 +201,14 @@ async def test_static_fleet_comes_up_with_models_geometry_and_load(replicas, fle
     assert await held_blocks(index, a.url, 80) == 50
     assert await held_blocks(index, b.url, 80) == 80
 
-    st = fleet.load.state(b.url)
-    assert (st.running, st.waiting, st.kv_usage, st.capacity_blocks, st.healthy) == (2, 8, 0.5, 1400, True)
-    assert fleet.load.state(a.url).running == 3
+    rb = fleet.get(b.url)
+    assert (rb.running, rb.waiting, rb.kv_usage, rb.capacity_blocks, rb.healthy) == (2, 8, 0.5, 1400, True)
+    assert fleet.get(a.url).running == 3
 
     # Load follows the replica's /metrics on the metrics interval.
     a.running = 7
-    await until(lambda: fleet.load.state(a.url).running == 7)
-    assert fleet.get(a.url).running == 7
+    await until(lambda: fleet.get(a.url).running == 7)
+    assert {s.name: s.running for s in fleet.status()}[a.url] == 7
 
 
 async def test_configured_geometry_overrides_scraped(replicas, fleets):
@@ -245,7 +243,6 @@ async def test_health_failures_take_a_replica_out_and_recovery_readds_it(replica
     await until(lambda: not fleet.get(a.url).healthy)
     assert fleet.get(a.url).health_failures >= 3
     assert [r.name for r in fleet.eligible("m1")] == [b.url]
-    assert fleet.load.state(a.url).healthy is False
     assert await index.lookup([1, 2, 3]) == {}
     assert await held_blocks(index, a.url) == 0  # out of the index: its entries are dropped
     assert events == [("down", a.url)]
@@ -253,7 +250,6 @@ async def test_health_failures_take_a_replica_out_and_recovery_readds_it(replica
     a.health_status = 200
     await until(lambda: fleet.get(a.url).healthy)
     assert [r.name for r in fleet.eligible("m1")] == [a.url, b.url]
-    assert fleet.load.state(a.url).healthy is True
     assert await held_blocks(index, a.url) == 10  # back in the index, empty but accepting
     assert events == [("down", a.url), ("up", a.url)]
 
@@ -292,9 +288,9 @@ async def test_a_hanging_replica_does_not_stall_the_others(replicas, fleets):
     slow.hang_metrics.set()
     await asyncio.sleep(0.2)  # the slow replica's scrape is now stuck for 30 s
     fast.running = 5
-    await until(lambda: fleet.load.state(fast.url).running == 5, timeout=3.0)
+    await until(lambda: fleet.get(fast.url).running == 5, timeout=3.0)
     fast.running = 6
-    await until(lambda: fleet.load.state(fast.url).running == 6, timeout=3.0)
+    await until(lambda: fleet.get(fast.url).running == 6, timeout=3.0)
 
 
 async def test_replica_api_key_is_sent_upstream(replicas, fleets):
@@ -344,10 +340,10 @@ async def test_status_exposes_plain_data(replicas, fleets):
     a = await replicas()
     a.running = 2
     fleet = await fleets(replicas=[a.url])
-    fleet.load.on_routed("req-1", a.url, uncached_tokens=100)
     [s] = fleet.status()
     assert (s.name, s.healthy, s.draining, s.breaker_state) == (a.url, True, False, "closed")
-    assert (s.in_flight, s.queued_prefill_tokens, s.running) == (1, 100, 2)
+    # the router's own load is not the fleet's to know (router.load owns it; the app joins them)
+    assert (s.in_flight, s.queued_prefill_tokens, s.running) == (0, 0, 2)
     assert s.models == ["m1"] and s.capacity_blocks == 1000 and s.scrape_age_s is not None
 
 
@@ -387,7 +383,6 @@ async def test_redis_registrations_join_and_leave_with_their_ttl(replicas, fleet
         # `lapsing` never heartbeats: its registration expires after ~1 s and it leaves.
         await until(lambda: fleet.get(lapsing.url) is None, timeout=5.0)
         assert events == [("left", lapsing.url)]
-        assert lapsing.url not in fleet.load.states
         assert await held_blocks(index, lapsing.url) == 0
         assert [r.name for r in fleet.eligible("m1")] == [kept.url]
 

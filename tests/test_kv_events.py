@@ -31,7 +31,6 @@ from router.index import MemoryIndex, RedisIndex, ReplicaSpec
 from router.index.base import PrefixIndex
 from router.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber, WireError
 from router.kvevents import wire
-from router.load import LoadTracker
 from router.registry import ReplicaRecord, deregister, register
 from router.tokens import Tokenizer
 from tests.conftest import free_port
@@ -331,7 +330,7 @@ async def test_fleet_events_drive_the_subscriber(tokenizer, session, redis_url, 
                            replay_endpoint=f"tcp://*:{replay_port}")
     fleet = Fleet(FleetSettings(discovery_redis=True, redis_url=redis_url, redis_key_prefix=redis_prefix,
                                 health_interval_s=0.1, metrics_interval_s=0.1),
-                  session, load=LoadTracker(), index=index, redis=client)
+                  session, index=index, redis=client)
     try:
         await register(client, redis_prefix, record, ttl=30)
         fleet.subscribe(sub.on_fleet_event)

@@ -29,6 +29,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from router.aio import cancel_and_wait
+from router.fleet import card_parent
 from router.index.base import PrefixIndex
 
 from .metrics import KVEventMetrics
@@ -53,8 +54,7 @@ def base_model(replica: Replica) -> str | None:
     """The base model a fleet replica serves: its model card without a ``parent`` (LoRA adapters
     name the base as their parent), else its first model."""
     for card in replica.model_cards:
-        parent = card.get("parent")
-        if isinstance(card.get("id"), str) and (not parent or parent == card["id"]):
+        if isinstance(card.get("id"), str) and card_parent(card) is None:
             return card["id"]
     models = sorted(replica.models)
     return models[0] if models else None

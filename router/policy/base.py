@@ -12,19 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class ReplicaState:
-    """What the router knows of one replica at decision time."""
+    """One eligible replica as a policy sees it: a snapshot taken for one decision, built from the
+    router's own load accounting (``router.load``) and the fleet's last scrape (or, in the
+    simulator, the emulated engines).  Policies read it; nothing writes it back."""
 
     name: str
-    healthy: bool = True
     in_flight: int = 0  # requests routed there and not finished (router-tracked)
     queued_prefill_tokens: int = 0  # uncached prompt tokens routed there, first token not yet back
-    running: int = 0  # vllm:num_requests_running (scraped)
-    waiting: int = 0  # vllm:num_requests_waiting (scraped)
-    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1 (scraped)
+    running: int = 0  # vllm:num_requests_running (scraped: other routers' requests show here)
     prefill_rate: float = 0.0  # tokens/s, learned online; 0 = unknown yet
-    capacity_blocks: int = 0
 
 
 @dataclass
@@ -53,6 +51,9 @@ class Policy(abc.ABC):
     name: str = ""
     # every `Decision.reason` the policy can give: metrics create these series at zero
     reasons: tuple[str, ...] = ()
+    # policies that match prompt text rather than tokens (SGLang's rule) ask for it: only they
+    # pay for flattening the prompt into `RouteRequest.text`
+    needs_text: bool = False
 
     @abc.abstractmethod
     def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision: ...

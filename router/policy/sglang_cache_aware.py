@@ -215,6 +215,7 @@ class ApproxRadixTree:
 
 class SglangCacheAwarePolicy(Policy):
     name = "sglang_cache_aware"
+    needs_text = True
     reasons = ("cache", "load", "balance", "fallback")
 
     def __init__(
