@@ -1,9 +1,7 @@
 """The router's view of its replicas: where they come from, whether they are up, how loaded.
 
-Discovery merges three sources, any of which may be combined: a static list, registrations in
-Redis (a registration whose TTL lapses leaves) and a DNS name whose addresses are the replicas (a
-Kubernetes headless service).  A source that fails to answer keeps its last answer, so a Redis or
-DNS blip never empties the fleet.
+Discovery merges the listings of its sources (``router.discovery``: a static list, Redis
+registrations, a DNS name), any of which may be combined.
 
 Every health interval each replica's ``/health`` is probed; ``unhealthy_after`` failures in a row
 take it out, and its prefix-index entries are dropped (after a crash its cache state is unknown).
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,13 +27,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .aio import cancel_and_wait
 from .breaker import BreakerState, CircuitBreaker
 from .index.base import PrefixIndex, ReplicaSpec
-from .registry import ReplicaRecord, list_replicas
+from .discovery import (
+    DiscoverySource,
+    DnsSource,
+    RedisSource,
+    Source,
+    StaticSource,
+)
+from .registry import ReplicaRecord
 from .scrape import ScrapeResult, parse_vllm_metrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
-Source = Literal["static", "redis", "dns"]
 FleetEvent = Literal["joined", "left", "up", "down", "restarted", "changed"]
 
 
@@ -72,30 +75,6 @@ class FleetSettings(BaseModel):
         if isinstance(value, str):  # "url,url" from an environment variable or a flag
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
-
-
-def normalize_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    return url if "://" in url else f"http://{url}"
-
-
-def select_addresses(infos: list[tuple[Any, ...]], family: str = "auto") -> list[str]:
-    """Distinct addresses of a getaddrinfo answer, of the family asked for.
-
-    "auto" takes the IPv4 addresses when there are any, else the IPv6 ones: a dual-stack host
-    answers with one of each, and must count as one replica, not two.
-    """
-    v4 = sorted({info[4][0] for info in infos if info[0] == socket.AF_INET})
-    v6 = sorted({info[4][0] for info in infos if info[0] == socket.AF_INET6})
-    if family == "ipv4" or (family == "auto" and v4):
-        return v4
-    if family in ("ipv6", "auto"):
-        return v6
-    return v4 + v6
-
-
-def address_url(scheme: str, address: str, port: int) -> str:
-    return f"{scheme}://[{address}]:{port}" if ":" in address else f"{scheme}://{address}:{port}"
 
 
 def card_parent(card: Mapping[str, Any]) -> str | None:
@@ -171,11 +150,9 @@ class Fleet:
         self.settings = settings
         self.session = session
         self.index = index
-        self._redis = redis
-        self._owns_redis = False
+        self._redis = redis  # Redis discovery's client, if the caller has one; else made from settings
+        self._sources: list[DiscoverySource] = []
         self._replicas: dict[str, Replica] = {}
-        self._redis_seen: dict[str, ReplicaRecord] = {}  # last successful listing, by URL
-        self._dns_seen: set[str] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._listeners: list[Callable[[FleetEvent, Replica], None]] = []
         self._scrape_listeners: list[Callable[[Replica, ScrapeResult], None]] = []
@@ -185,14 +162,7 @@ class Fleet:
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         """One full round (discovery, health, models, metrics), then the background loops."""
-        if self.settings.discovery_redis and self._redis is None:
-            if not self.settings.redis_url:
-                raise ValueError("discovery_redis needs redis_url")
-            timeout = self.settings.discovery_timeout_s
-            self._redis = aioredis.Redis.from_url(
-                self.settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
-            )
-            self._owns_redis = True
+        self._sources = self._make_sources()
         await self._discover()
         results = await asyncio.gather(*(self._probe(r) for r in list(self._replicas.values())), return_exceptions=True)
         for exc in results:
@@ -210,10 +180,23 @@ class Fleet:
             r.tasks.clear()
         self._loops = []
         await cancel_and_wait(tasks)
-        if self._owns_redis and self._redis is not None:
-            await self._redis.aclose()
-            self._redis = None
-            self._owns_redis = False
+        for source in self._sources:
+            await source.close()
+        self._sources = []
+
+    def _make_sources(self) -> list[DiscoverySource]:
+        s = self.settings
+        sources: list[DiscoverySource] = [StaticSource(s.replicas)]
+        if s.discovery_redis:
+            if self._redis is not None:
+                sources.append(RedisSource(self._redis, s.redis_key_prefix, s.discovery_timeout_s))
+            elif s.redis_url:
+                sources.append(RedisSource.from_url(s.redis_url, s.redis_key_prefix, s.discovery_timeout_s))
+            else:
+                raise ValueError("discovery_redis needs redis_url")
+        if s.dns_name:
+            sources.append(DnsSource(s.dns_name, scheme=s.dns_scheme, family=s.dns_family, timeout_s=s.discovery_timeout_s))
+        return sources
 
     def subscribe(self, callback: Callable[[FleetEvent, Replica], None]) -> None:
         """Call ``callback(event, replica)`` on joined/left/up/down/restarted/changed (a KV-event
@@ -382,29 +365,13 @@ class Fleet:
 
     # -- discovery ----------------------------------------------------------------------------
     async def _discover(self) -> None:
-        desired: dict[str, set[str]] = {}
-        for url in self.settings.replicas:
-            desired.setdefault(normalize_url(url), set()).add("static")
-        if self.settings.discovery_redis and self._redis is not None:
-            try:
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation
-                # that lands as the answer arrives, and stop() would wait for this loop forever
-                async with asyncio.timeout(self.settings.discovery_timeout_s):
-                    records = await list_replicas(self._redis, self.settings.redis_key_prefix)
-                self._redis_seen = {normalize_url(rec.url): rec for rec in records}
-            except (aioredis.RedisError, OSError, TimeoutError) as exc:
-                log.warning("Redis discovery failed, keeping %d known registrations: %s", len(self._redis_seen), exc)
-            for url in self._redis_seen:
-                desired.setdefault(url, set()).add("redis")
-        if self.settings.dns_name:
-            try:
-                async with asyncio.timeout(self.settings.discovery_timeout_s):
-                    self._dns_seen = await self._resolve_dns()
-            except (OSError, TimeoutError, ValueError) as exc:
-                log.warning("DNS discovery of %s failed, keeping %d addresses: %s",
-                            self.settings.dns_name, len(self._dns_seen), exc)
-            for url in self._dns_seen:
-                desired.setdefault(url, set()).add("dns")
+        desired: dict[str, set[Source]] = {}
+        records: dict[str, ReplicaRecord] = {}
+        for source in self._sources:
+            for url, record in (await source.list()).items():
+                desired.setdefault(url, set()).add(source.name)
+                if record is not None:
+                    records[url] = record
 
         for name, sources in desired.items():
             r = self._replicas.get(name)
@@ -418,7 +385,7 @@ class Fleet:
                 self._replicas[name] = r
                 log.info("replica %s joined (%s)", name, ",".join(sorted(sources)))
             r.sources = sources
-            record = self._redis_seen.get(name) if "redis" in sources else None
+            record = records.get(name)
             endpoints_changed = False
             if record != r.record:
                 r.record = record
@@ -433,14 +400,6 @@ class Fleet:
                 self._notify("changed", r)  # e.g. re-registered with new KV-event endpoints
         for name in [n for n in self._replicas if n not in desired]:
             await self._remove(self._replicas[name])
-
-    async def _resolve_dns(self) -> set[str]:
-        host, _, port_text = self.settings.dns_name.rpartition(":")  # type: ignore[union-attr]
-        if not host or not port_text.isdigit():
-            raise ValueError(f"dns_name must be host:port, got {self.settings.dns_name!r}")
-        infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port_text), type=socket.SOCK_STREAM)
-        addresses = select_addresses(infos, self.settings.dns_family)
-        return {address_url(self.settings.dns_scheme, a, int(port_text)) for a in addresses}
 
     async def _remove(self, r: Replica) -> None:
         del self._replicas[r.name]
@@ -606,7 +565,5 @@ __all__ = [
     "FleetSettings",
     "Replica",
     "ReplicaStatus",
-    "address_url",
-    "normalize_url",
-    "select_addresses",
+    "card_parent",
 ]

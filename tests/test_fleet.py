@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.fleet import Fleet, FleetSettings, address_url, normalize_url, select_addresses
+from router.discovery import address_url, normalize_url, select_addresses
+from router.fleet import Fleet, FleetSettings
 from router.index.memory import MemoryIndex
 from router.registry import ReplicaRecord, keep_registered, register
 from router.scrape import parse_vllm_metrics

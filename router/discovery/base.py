@@ -1,0 +1,28 @@
+"""The interface every discovery source implements."""
+
+from __future__ import annotations
+
+import abc
+from typing import Literal
+
+from ..registry import ReplicaRecord
+
+Source = Literal["static", "redis", "dns"]
+# the replicas a source lists now, by base URL, with their registration where the source has one
+Listing = dict[str, ReplicaRecord | None]
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+class DiscoverySource(abc.ABC):
+    name: Source
+
+    @abc.abstractmethod
+    async def list(self) -> Listing:
+        """The replicas this source lists now; on failure, its last good answer (logged)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections this source opened."""
