@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 
 from router.blocks import HASH_SCHEME
 from router.index import MemoryIndex, PrefixIndex, RedisIndex, ReplicaSpec, memory
+from router.index.reference import ReferenceIndex
 
 CHAIN = [0xFFFF_FFFF_FFFF_FFFF - i for i in range(12)]  # near 2**64: the encoding must be unsigned
 OTHER_CHAIN = list(range(1000, 1012))
@@ -422,75 +422,7 @@ async def test_re_predicting_within_the_slack_keeps_the_expiry_and_extends_the_c
     assert_holders_match_entries(index)
 
 
-# -- property: random operation sequences against a reference model -----------------------------
-class ReferenceIndex:
-    """The contract, written as plainly as possible: per replica, an ordered map hash -> state."""
-
-    CONFIRMED = None
-
-    def __init__(self, ttl: float) -> None:
-        self.ttl, self.now = ttl, 0.0
-        self.specs: dict[str, ReplicaSpec] = {}
-        self.entries: dict[str, OrderedDict[int, float | None]] = {}
-
-    def _live(self, expiry: float | None) -> bool:
-        return expiry is self.CONFIRMED or expiry > self.now
-
-    def _purge_and_fit(self, name: str) -> None:
-        entries = self.entries[name]
-        for h in [h for h, e in entries.items() if not self._live(e)]:
-            del entries[h]
-        while len(entries) > max(self.specs[name].capacity_blocks, 0):
-            entries.popitem(last=False)
-
-    def add_replica(self, s: ReplicaSpec) -> None:
-        self.specs[s.name] = s
-        self.entries.setdefault(s.name, OrderedDict())
-        self._purge_and_fit(s.name)
-
-    def remove_replica(self, name: str) -> None:
-        self.specs.pop(name, None)
-        self.entries.pop(name, None)
-
-    def write(self, name: str, hashes: list[int], confirmed: bool) -> None:
-        if name not in self.specs:
-            return
-        self._purge_and_fit(name)  # expired entries go before anything is evicted
-        entries = self.entries[name]
-        for h in reversed(hashes):  # the head ends up most recent
-            if confirmed:
-                entries[h] = self.CONFIRMED
-            elif h not in entries or entries[h] is not self.CONFIRMED:
-                entries[h] = self.now + self.ttl if self.specs[name].publishes_events else float("inf")
-            entries.move_to_end(h)
-        self._purge_and_fit(name)
-
-    def remove(self, name: str, hashes: list[int]) -> None:
-        for h in hashes:
-            self.entries.get(name, {}).pop(h, None)
-
-    def clear_replica(self, name: str) -> None:
-        self.entries.get(name, OrderedDict()).clear()
-
-    def drop_confirmed(self, name: str) -> None:
-        entries = self.entries.get(name, {})
-        for h in [h for h, e in entries.items() if e is self.CONFIRMED]:
-            del entries[h]
-
-    def entry_count(self, name: str) -> int:
-        return sum(self._live(e) for e in self.entries.get(name, {}).values())
-
-    def lookup(self, chain: list[int]) -> dict[str, int]:
-        out = {}
-        for name, entries in self.entries.items():
-            depth = 0
-            while depth < len(chain) and chain[depth] in entries and self._live(entries[chain[depth]]):
-                depth += 1
-            if depth:
-                out[name] = depth
-        return out
-
-
+# -- property: random operation sequences against the reference model (router/index/reference.py)
 # Five replicas, chains long enough for the memory index's probes (blocks 8, 16, 32) and the
 # bisection after them; two chains share a head, as conversations share a system prompt.
 NAMES = ["r0", "r1", "r2", "r3", "r4"]
