@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -50,13 +49,13 @@ from zmq.utils.monitor import parse_monitor_message
 from router.index.base import PrefixIndex
 
 from .metrics import KVEventMetrics
+from .sequence import BatchSequence
 from .translate import ChainTranslator
 from .wire import END_SEQ, AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, WireError, parse_live, parse_replay, replay_request
 
 log = logging.getLogger("kvroute.kvevents")
 
 INDEX_ERRORS = (RedisError, OSError, TimeoutError)
-DIGEST_WINDOW = 4096  # payload digests kept, by seq: replay overlaps are far shorter
 RCV_HWM = 100_000  # live batches ZMQ may queue while a replay or a slow index holds us up
 INDEX_RETRY_S = 1.0
 CRASH_BACKOFF_S = 1.0
@@ -152,9 +151,7 @@ class ReplicaStream:
         self._monitor: zmq.asyncio.Socket | None = None
         self._poller: zmq.asyncio.Poller | None = None
         # sequence bookkeeping
-        self._next: int | None = None  # seq expected next; None: unknown, take what comes
-        self._last_live: int | None = None  # last seq read off the live socket
-        self._digests: OrderedDict[int, int] = OrderedDict()
+        self.sequence = BatchSequence()
         # what the pending ops carry, reported once they are written
         self._pending_applied = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
         self._pending_batches = 0
@@ -305,19 +302,20 @@ class ReplicaStream:
             self._check_at = time.monotonic() + self._idle_check_s
 
     async def _live(self, seq: int, payload: bytes) -> None:
-        if self._last_live is not None and seq <= self._last_live:
-            await self._restart(f"live seq {seq} after {self._last_live}")
-        self._last_live = seq
-        if self._next is not None and seq < self._next:
-            applied = self._digests.get(seq)
-            if applied is None or applied == _digest(payload):
-                return  # a replay already applied it
+        sequence = self.sequence
+        digest = _digest(payload)
+        if sequence.went_back(seq):
+            await self._restart(f"live seq {seq} after {sequence.last_live}")
+        sequence.last_live = seq
+        verdict = sequence.classify(seq, digest)
+        if verdict == "changed":
             await self._restart(f"seq {seq} arrived with other contents than the batch applied under it")
-        if self._next is not None and seq > self._next:
-            await self._gap(self._next, seq)
-        if self._next is not None and seq < self._next:
-            return  # the gap's replay brought it
-        self._apply(seq, payload, live=True)
+            verdict = sequence.classify(seq, digest)
+        if verdict == "gap":
+            await self._gap(sequence.next, seq)  # type: ignore[arg-type]
+            verdict = sequence.classify(seq, digest)
+        if verdict == "apply":  # else a replay (a gap's, or an earlier one) applied it already
+            self._apply(seq, payload, digest, live=True)
 
     # -- sequence handling ----------------------------------------------------------------
     async def _first_contact(self) -> None:
@@ -325,15 +323,15 @@ class ReplicaStream:
         if not self.replay_endpoint:
             self.synced = self._contacted = True
             return
-        self._next = None  # apply the whole history, whatever was applied before
+        self.sequence.forget_position()  # apply the whole history, whatever was applied before
         outcome = await self._replay(0, verify=None, drop_first=True)
         if outcome == "failed":
             log.warning("replica %s: no answer from its replay endpoint %s; following live events only",
                         self.name, self.replay_endpoint)
             return
         self._contacted = True
-        if self._next is None:
-            self._next = 0  # nothing published yet: the first batch will be seq 0
+        if self.sequence.next is None:
+            self.sequence.next = 0  # nothing published yet: the first batch will be seq 0
         self._on_progress()
 
     async def _gap(self, expected: int, seq: int) -> None:
@@ -346,7 +344,7 @@ class ReplicaStream:
         outcome = await self._replay_from(expected)
         if outcome == "restarted":
             await self._restart("the replay shows another process")
-        elif outcome == "failed" or (self._next is not None and self._next < seq):
+        elif outcome == "failed" or (self.sequence.next is not None and self.sequence.next < seq):
             self._lost()  # what is still missing cannot be had
 
     async def _after_reconnect(self) -> None:
@@ -355,10 +353,10 @@ class ReplicaStream:
         if not self.replay_endpoint:
             self._lost()  # whatever it published meanwhile is gone; a new process shows by its seq
             return
-        if self._next is None or not self._contacted:
+        if self.sequence.next is None or not self._contacted:
             await self._first_contact()
             return
-        outcome = await self._replay_from(self._next)
+        outcome = await self._replay_from(self.sequence.next)
         if outcome == "restarted":
             await self._restart("the replay after a reconnection shows another process")
         elif outcome == "failed":
@@ -369,13 +367,13 @@ class ReplicaStream:
         subscription missed (the stream is synced once the first such check is done), or what a
         quiet stream may have lost last.  Counted as a replay only if it brings something."""
         settled, self._check_at, self._settling = self._settling, None, False
-        start = self._next
+        start = self.sequence.next
         if self._contacted and start is not None:
             self.checks += 1
             outcome = await self._replay_from(start, counted=False)
             if outcome == "restarted":
                 await self._restart("the check's replay shows another process")
-            elif outcome == "lost" or self._next != start:
+            elif outcome == "lost" or self.sequence.next != start:
                 self._count_replay()
                 log.info("replica %s: KV-event batches the live stream had missed came by replay", self.name)
         if self._contacted and settled:
@@ -384,7 +382,7 @@ class ReplicaStream:
 
     async def _replay_from(self, expected: int, *, counted: bool = True) -> ReplayOutcome:
         """Replay from ``expected``, starting one earlier to prove it is the same process."""
-        previous = self._digests.get(expected - 1)
+        previous = self.sequence.digest(expected - 1)
         if previous is not None:
             return await self._replay(expected - 1, verify=(expected - 1, previous), drop_first=False, counted=counted)
         return await self._replay(expected, verify=None, drop_first=False, counted=counted)
@@ -404,14 +402,12 @@ class ReplicaStream:
         """Events are gone for good: forget what events confirmed, keep following."""
         log.warning("replica %s: KV events lost; dropping its confirmed entries", self.name)
         self._ops.add("drop", [])
-        self._next = None
+        self.sequence.forget_position()
 
     def _reset_sequence(self, *, clear_map: bool) -> None:
         """Forget the publisher's numbering (a new process counts from 0 again)."""
-        self._next = None
-        self._last_live = None
+        self.sequence.reset()
         self.last_seq = None
-        self._digests.clear()
         if clear_map:
             self.translator.clear()
 
@@ -455,9 +451,9 @@ class ReplicaStream:
                         self._ops.add("drop", [])
                 if seq == END_SEQ:
                     break
-                if self._next is not None and seq < self._next:
+                if self.sequence.next is not None and seq < self.sequence.next:
                     continue  # applied already (the verified batch, or an overlap)
-                self._apply(seq, payload, live=False)
+                self._apply(seq, payload, _digest(payload), live=False)
                 since_flush += 1
                 if since_flush >= self._max_chunk:
                     await self._flush()
@@ -476,13 +472,9 @@ class ReplicaStream:
         self._series.replays.inc()
 
     # -- applying -------------------------------------------------------------------------
-    def _apply(self, seq: int, payload: bytes, *, live: bool) -> None:
+    def _apply(self, seq: int, payload: bytes, digest: int, *, live: bool) -> None:
         """Translate one batch into pending index writes; ``_flush`` writes them."""
-        digests = self._digests
-        digests[seq] = _digest(payload)
-        if len(digests) > DIGEST_WINDOW:
-            digests.popitem(last=False)
-        self._next = seq + 1
+        self.sequence.applied(seq, digest)
         self._pending_batches += 1
         try:
             batch = self._decoder.decode(payload)
@@ -549,8 +541,8 @@ class ReplicaStream:
             if n:
                 self._series.applied[kind].inc(n)
         self.batches_applied += batches
-        if self._next is not None:
-            self.last_seq = self._next - 1
+        if self.sequence.next is not None:
+            self.last_seq = self.sequence.next - 1
         self._on_progress()
 
     async def _resync_after_index_failure(self) -> None:
@@ -567,6 +559,6 @@ class ReplicaStream:
         self.index_ok = True
         self._ops.take()
         if self.replay_endpoint:
-            self._next = None
+            self.sequence.forget_position()
             await self._replay(0, verify=None, drop_first=False)
         self._on_progress()
