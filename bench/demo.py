@@ -65,6 +65,7 @@ import aiohttp
 import numpy as np
 
 from . import report
+from .limit import available_blocks, chains_of, fleet_limit, limit_ttfts, percentiles
 from .demo_chat import ChatConfig, ChatWorkload, Replay, RequestRecord, build_workload
 from .demo_fleet import (
     ENGINES,
@@ -78,6 +79,7 @@ from .demo_fleet import (
     resets_in_place,
     router_stack,
     running_fleet,
+    tokenizer_of,
 )
 from .sim import METRIC_KEYS
 
@@ -230,6 +232,7 @@ def summarize(records: list[RequestRecord], samples: Samples, replicas: list[str
         "reuse_predicted": total(samples, "kvroute_reuse_predicted_tokens_total", model=MODEL) / denom,
         "reuse_delivered": sum(r.cached_tokens for r in ok) / denom,
         "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft.size else math.nan,
+        "ttft_p90_s": float(np.percentile(ttft, 90)) if ttft.size else math.nan,
         "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft.size else math.nan,
         "imbalance": float(counts.max() / mean) if mean > 0 else math.nan,
         "throughput_rps": len(ok) / span if span > 0 else math.nan,
@@ -328,7 +331,37 @@ async def run_pass(
         details = pass_details(stack, records, samples, wall)
         details["loop_lag"] = lag.summary()
         details["prefill_load"] = prefill_load(records, args, wall)
+        details["limit_s"] = pass_limit(records, args, tokenizer_of(fleet))
     return figures, details
+
+
+def pass_limit(records: list[RequestRecord], args: argparse.Namespace, tokenizer_dir: Any) -> dict[str, float] | None:
+    """Per answered request (``session/turn``), its physical limit in wall seconds (bench/limit.py):
+    the prompt as the router tokenized it, never-seen blocks in the order the requests were sent,
+    the emulated replicas' profile at their time scale.  None for engines without a profile."""
+    if args.engine != "emulated":
+        return None
+    from replica.emulated.profile import PROFILES
+    from router.tokens import Tokenizer
+
+    profile = PROFILES[args.profile]
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    sent = sorted((r for r in records if r.ok), key=lambda r: r.sent_at)
+    prompts = [tokenizer.encode_chat(r.messages) for r in sent]
+    seen = available_blocks(chains_of(prompts, profile.block_size))
+    limits = limit_ttfts(profile, [len(p) for p in prompts], seen, profile.block_size) * args.time_scale
+    return {f"{r.session_id}/{r.turn}": float(x) for r, x in zip(sent, limits)}
+
+
+def demo_limit(details: Mapping[str, Mapping[str, Any]]) -> dict[str, float] | None:
+    """The limit's percentiles over the requests every pass answered, each at its lowest (see
+    `bench.limit.fleet_limit`); None without a timing profile."""
+    per_pass = [d["limit_s"] for d in details.values()]
+    if any(p is None for p in per_pass):
+        return None
+    keys = sorted(set().union(*per_pass))
+    per_request = fleet_limit([np.array([p.get(k, np.nan) for k in keys]) for p in per_pass])
+    return percentiles(per_request[~np.isnan(per_request)])
 
 
 def prefill_load(records: list[RequestRecord], args: argparse.Namespace, wall: float) -> float | None:
@@ -440,6 +473,9 @@ async def _compare(args: argparse.Namespace) -> int:
             )
     wall = time.perf_counter() - started
     print(f"demo ran in {wall:.1f} s wall", file=sys.stderr)
+    limit = demo_limit(details)
+    for d in details.values():
+        del d["limit_s"]  # per request: too long for the JSON's pass details
 
     clock = f"an engine second lasts {args.time_scale:g} s" if args.engine == "emulated" else "real engines, real time"
     note = (
@@ -465,11 +501,12 @@ async def _compare(args: argparse.Namespace) -> int:
             "requests_sent": workload.requests,
             "targets": [{"claim": text, "holds": holds} for text, holds in targets(results)],
             "passes": details,
+            "limit": limit,
         }
         sys.stdout.write(report.to_json(results, extra) + "\n")
     else:
         title = f"kvroute demo: {args.replicas} replicas, {args.sessions} conversations, seed {args.seed}"
-        report.print_table(results, title, file=sys.stdout, footer=note)
+        report.print_table(results, title, file=sys.stdout, footer=f"{note}\n{report.LIMIT_NOTE}" if limit else note, limit=limit)
         for text, ok in targets(results):
             print(f"{'PASS' if ok else 'MISS'}  {text}")
         for policy, d in details.items():

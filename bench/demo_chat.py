@@ -170,6 +170,7 @@ class RequestRecord:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)  # what was sent (for the limit)
 
     @property
     def ok(self) -> bool:
@@ -241,7 +242,7 @@ class Replay:
             "stream_options": {"include_usage": True},
         }
         headers = {"Content-Type": "application/json", "X-Session-ID": session_id}
-        record = RequestRecord(session_id, turn, time.perf_counter())
+        record = RequestRecord(session_id, turn, time.perf_counter(), messages=list(messages))
         parts: list[str] = []
         try:
             async with session.post(self.base_url + "/v1/chat/completions", data=_encode(body), headers=headers) as resp:

@@ -10,6 +10,12 @@ from typing import IO, Any
 
 import numpy as np
 
+from .limit import LIMIT_KEYS
+
+LIMIT_NOTE = (
+    "physical limit: each request alone on an idle replica with one infinite cache shared by the fleet "
+    "(only its never-seen blocks prefill); (Nx) = the policy's TTFT percentile over the limit's"
+)
 REUSE_KEYS = ("reuse_available", "reuse_predicted", "reuse_delivered")
 
 
@@ -36,16 +42,35 @@ def _pct(x: float) -> str:
 def _secs(x: float) -> str:
     if not math.isfinite(x):
         return "-"
+    if x < 0.01:
+        return f"{x * 1000:.1f} ms"
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def print_table(policies: Mapping[str, Mapping[str, Any]], title: str, file: IO[str] | None = None, footer: str = "") -> None:
+def _secs_vs(x: float, limit: float | None) -> str:
+    """Seconds, and the multiple of the limit when there is one."""
+    if limit is None or not math.isfinite(x) or not limit or not math.isfinite(limit):
+        return _secs(x)
+    return f"{_secs(x)} ({x / limit:.1f}x)"
+
+
+def print_table(
+    policies: Mapping[str, Mapping[str, Any]],
+    title: str,
+    file: IO[str] | None = None,
+    footer: str = "",
+    limit: Mapping[str, float] | None = None,
+) -> None:
+    """One row per policy; with `limit` (bench/limit.py), a first row for the physical limit and
+    each TTFT percentile followed by its multiple of the limit's."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title, caption=footer or None, caption_justify="left")
-    for col in ("policy", "requests", "available", "predicted", "delivered", "deliv/avail", "TTFT p50", "TTFT p99", "imbalance", "req/s"):
+    for col in ("policy", "requests", "available", "predicted", "delivered", "deliv/avail", "TTFT p50", "TTFT p90", "TTFT p99", "imbalance", "req/s"):
         table.add_column(col, justify="left" if col == "policy" else "right")
+    if limit is not None:
+        table.add_row("[i]physical limit[/]", "", "", "", "", "", *(_secs(limit[k]) for k in LIMIT_KEYS), "", "", end_section=True)
     for name, m in policies.items():
         avail = m["reuse_available"]
         ratio = m["reuse_delivered"] / avail if avail else math.nan
@@ -56,12 +81,11 @@ def print_table(policies: Mapping[str, Mapping[str, Any]], title: str, file: IO[
             _pct(m["reuse_predicted"]),
             _pct(m["reuse_delivered"]),
             _pct(ratio),
-            _secs(m["ttft_p50_s"]),
-            _secs(m["ttft_p99_s"]),
+            *(_secs_vs(m[k], None if limit is None else limit[k]) for k in LIMIT_KEYS),
             f"{m['imbalance']:.2f}",
             f"{m['throughput_rps']:.2f}",
         )
-    Console(file=file, width=140).print(table)
+    Console(file=file, width=160).print(table)
 
 
 def plot(ttfts: Mapping[str, np.ndarray], policies: Mapping[str, Mapping[str, Any]], path: str, title: str = "") -> None:

@@ -20,7 +20,8 @@ Figures (`summarize`): the three reuse figures share one denominator, the prompt
 requests sent, counted in full blocks.  `reuse_available` replays the requests in the order they
 were routed through one infinite shared cache (leading blocks seen before, uncapped);
 `reuse_predicted` sums the policy's `Decision.matched_blocks`; `reuse_delivered` the engines'
-`cached_tokens`.  `imbalance` is max/mean requests per replica, `throughput_rps` completed
+`cached_tokens`.  `limit_ttft` is the physical limit of each request's TTFT (bench/limit.py), from the
+same arrival order as `reuse_available`.  `imbalance` is max/mean requests per replica, `throughput_rps` completed
 requests over the span from the first arrival to the last finish.
 """
 
@@ -42,6 +43,7 @@ from router.load import LoadTracker
 from router.placement import MemoryPredictions, Placement, snapshot
 from router.policy.base import Policy, RouteRequest
 
+from .limit import available_blocks, limit_ttfts, prefill_seconds
 from .workloads import Workload, text_proxy
 
 SIM_MODEL = "sim-model"  # the namespace of every chain in the simulator
@@ -50,6 +52,7 @@ METRIC_KEYS = (
     "reuse_predicted",
     "reuse_delivered",
     "ttft_p50_s",
+    "ttft_p90_s",
     "ttft_p99_s",
     "imbalance",
     "throughput_rps",
@@ -87,26 +90,6 @@ def prepare(workload: Workload, block_size: int, model: str = SIM_MODEL) -> Prep
         prompt[i] = len(tokens)
         chains.append(np.array(block_hashes(tokens, block_size, seed), dtype=np.uint64))
     return PreparedWorkload(workload, block_size, chains, prompt)
-
-
-def available_blocks(chains_in_order: Sequence[Sequence[int]]) -> list[int]:
-    """Per request, the leading full blocks that some earlier request already had.
-
-    One infinite cache shared by every replica: a chain's block hash identifies its whole prefix,
-    so the match is the run of leading hashes already seen.  Uncapped (vLLM would recompute at
-    least one token of a fully cached block-aligned prompt; engines' delivered figures are capped).
-    """
-    seen: set[int] = set()
-    out: list[int] = []
-    for chain in chains_in_order:
-        m = 0
-        for h in chain:
-            if h not in seen:
-                break
-            m += 1
-        out.append(m)
-        seen.update(chain)
-    return out
 
 
 # --- the default offered load -----------------------------------------------------------------
@@ -162,21 +145,6 @@ def round_robin_hits(prepared: PreparedWorkload, replicas: int, capacity_blocks:
         for _ in range(len(cache) - capacity_blocks):
             cache.popitem(last=False)
     return hits
-
-
-def prefill_seconds(profile: Any, uncached: int, cached: int) -> float:
-    """Engine time to prefill `uncached` tokens after `cached` ones, in full-budget chunks, with
-    attention over the context so far (long prompts cost more per token than short ones)."""
-    budget = profile.max_num_batched_tokens
-    total = 0.0
-    done = cached
-    left = uncached
-    while left > 0:
-        n = min(left, budget)
-        total += profile.step_time(n, 0, 0, n * done + n * (n + 1) // 2)
-        done += n
-        left -= n
-    return total
 
 
 def offered_load_rate(prepared: PreparedWorkload, profile: Any, replicas: int, load: float = 0.75, seed: int = 0) -> OfferedLoad:
@@ -235,6 +203,8 @@ class RunResult:
     prompt_tokens: np.ndarray
     reasons: dict[str, int] = field(default_factory=dict)
     too_long: int = 0  # requests not sent: larger than a replica's KV capacity
+    # The physical limit (bench/limit.py) per request, in this run's arrival order; NaN if not sent.
+    limit_ttft: np.ndarray = field(default_factory=lambda: np.empty(0))
 
     @property
     def ttft(self) -> np.ndarray:
@@ -259,6 +229,7 @@ def summarize(run: RunResult) -> dict[str, float | int]:
         "reuse_predicted": float(run.predicted_blocks.sum() * run.block_size / denom),
         "reuse_delivered": float(run.cached_tokens.sum() / denom),
         "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft.size else math.nan,
+        "ttft_p90_s": float(np.percentile(ttft, 90)) if ttft.size else math.nan,
         "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft.size else math.nan,
         "imbalance": float(counts.max() / mean) if mean > 0 else math.nan,
         "throughput_rps": float(done.sum() / span) if span > 0 else math.nan,
@@ -422,8 +393,13 @@ class FleetSim:
             while arrivals and arrivals[0][0] <= self.now:
                 t, i = heapq.heappop(arrivals)
                 self._route(i, t)
-        self.run.available[self._order] = available_blocks([self.prepared.chains[i].tolist() for i in self._order])
-        return self.run
+        run = self.run
+        run.available[self._order] = available_blocks([self.prepared.chains[i].tolist() for i in self._order])
+        run.limit_ttft = np.full(len(self.requests), np.nan)
+        run.limit_ttft[self._order] = limit_ttfts(
+            self.cfg.profile, run.prompt_tokens[self._order], run.available[self._order], self.block_size
+        )
+        return run
 
 
 def simulate_policy(

@@ -11,7 +11,10 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from . import report
+from .limit import fleet_limit, percentiles
 from .sim import FleetConfig, PreparedWorkload, offered_load_rate, prepare, simulate_policy
 from .workloads import DEFAULT_REQUESTS, DEFAULT_TRACE, WORKLOADS, Workload, build_workload
 
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = FleetConfig(replicas=args.replicas, profile=profile, kv_events=args.kv_events)
     results: dict[str, dict[str, Any]] = {}
     ttfts = {}
+    limits = []
     walls = {}
     too_long = 0
     with Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as bar:
@@ -127,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = run.metrics()
             too_long = run.too_long
             ttfts[name] = run.ttft
+            limits.append(run.limit_ttft)
     wall = time.perf_counter() - started
+    per_request = fleet_limit(limits)
+    limit = percentiles(per_request[~np.isnan(per_request)])
     if too_long:
         err.print(f"[yellow]{too_long} requests not sent: prompt + output exceed a replica's KV capacity[/]")
     err.print(f"simulated in {wall:.1f} s wall (" + ", ".join(f"{n} {s:.1f} s" for n, s in walls.items()) + ")")
@@ -147,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             "kv_events": args.kv_events,
             "too_long_requests": too_long,
             "wall_s": round(wall, 2),
+            "limit": limit,
         }
         sys.stdout.write(report.to_json(results, extra) + "\n")
     else:
-        report.print_table(results, title, file=sys.stdout, footer=rate_note)
+        report.print_table(results, title, file=sys.stdout, footer=f"{rate_note}\n{report.LIMIT_NOTE}", limit=limit)
     return 0
 
 

@@ -22,6 +22,7 @@ import pytest
 from bench import demo, sim_cli
 from bench.demo_chat import ChatConfig, build_workload
 from bench.demo_fleet import fleet_factory, make_fleet, resets_in_place
+from bench.limit import LIMIT_KEYS
 from bench.sim import METRIC_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,6 +71,8 @@ def test_demo_json_has_the_sim_keys_and_counts_every_request(capsys):
 
     sim_top, sim_policy = sim_json_keys()
     assert sim_top <= set(doc)
+    limit = doc["limit"]  # emulated replicas: their profile gives the physical limit
+    assert set(limit) == set(LIMIT_KEYS) and 0 < limit["ttft_p50_s"] <= limit["ttft_p90_s"] <= limit["ttft_p99_s"]
     assert set(doc["policies"]) == {"round_robin", "cost_model"}
     sent = build_workload(1, 6, 20.0, ChatConfig()).requests
     assert doc["requests_sent"] == sent
@@ -78,7 +81,8 @@ def test_demo_json_has_the_sim_keys_and_counts_every_request(capsys):
         assert m["requests"] == sent, name  # every request answered and counted once
         for key in ("reuse_available", "reuse_predicted", "reuse_delivered"):
             assert 0.0 <= m[key] <= 1.0, (name, key, m[key])
-        assert 0.0 < m["ttft_p50_s"] <= m["ttft_p99_s"], name
+        assert 0.0 < m["ttft_p50_s"] <= m["ttft_p90_s"] <= m["ttft_p99_s"], name
+        assert all(m[k] >= limit[k] for k in LIMIT_KEYS), name  # no router beats the limit
         assert m["imbalance"] >= 1.0 and m["throughput_rps"] > 0, name
         details = doc["passes"][name]
         assert details["errors"] == 0 and details["sent"] == sent

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from bench import sim_cli
+from bench.limit import LIMIT_KEYS, isolated_ttft
 from bench.sim import METRIC_KEYS, FleetConfig, FleetSim, drive, offered_load_rate, prepare, simulate_policy
 from bench.workloads import SessionsConfig, build_workload
+from replica.emulated.engine import EmulatedEngine, EngineRequest
 from replica.emulated.profile import DEFAULT_PROFILE, PROFILES
 from router.policy import make_policy
 
@@ -117,6 +119,11 @@ def test_cli_json_is_one_object_with_exactly_the_specified_keys(capsys):
         assert figures["requests"] == 40
         assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in figures.values())
     assert doc["workload"] == "handbook" and doc["replicas"] == 2 and doc["rate"] > 0
+    limit = doc["limit"]
+    assert set(limit) == set(LIMIT_KEYS) and 0 < limit["ttft_p50_s"] <= limit["ttft_p90_s"] <= limit["ttft_p99_s"]
+    for figures in doc["policies"].values():
+        assert figures["ttft_p50_s"] <= figures["ttft_p90_s"] <= figures["ttft_p99_s"]
+        assert all(figures[k] >= limit[k] for k in LIMIT_KEYS)
     assert "of fleet prefill capacity under round_robin" in doc["rate_note"]
     assert "handbook" in err  # progress and notes go to stderr
 
@@ -156,3 +163,32 @@ def test_requests_larger_than_the_kv_cache_are_not_sent():
     assert result.too_long == too_long.sum()
     assert result.metrics()["requests"] == 40 - too_long.sum()
     assert (result.replica[too_long] == -1).all()
+
+
+@pytest.mark.parametrize(("prompt", "shared_blocks"), [(100, 0), (5000, 0), (20000, 300), (20000, 1250), (3200, 200)])
+def test_the_limit_is_a_lone_request_on_an_idle_engine(prompt, shared_blocks):
+    """An earlier request leaves `shared_blocks` of the prompt's chain cached and finishes; the
+    request then arrives at the idle engine: its TTFT is the limit's formula, multi-chunk prefills
+    (20k tokens > the 8192-token budget) and a block-aligned fully cached prompt included."""
+    chain = list(range(1, prompt // BS + 1))
+    engine = EmulatedEngine(DEFAULT_PROFILE)
+    if shared_blocks:
+        engine.submit(EngineRequest("warm", chain[:shared_blocks], shared_blocks * BS, 1), 0.0)
+        engine.run_until(100.0)
+    engine.submit(EngineRequest("probe", chain, prompt, 2), 100.0)
+    first = next(u for u in engine.run_until(200.0) if u.kind == "first_token")
+    assert first.time - 100.0 == pytest.approx(isolated_ttft(DEFAULT_PROFILE, prompt, shared_blocks, BS), rel=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cost_model", "sglang_cache_aware"])
+def test_no_policy_beats_the_physical_limit_on_any_request(sessions, policy):
+    result = run(sessions, policy).simulate()
+    sent = result.replica >= 0
+    assert np.isnan(result.limit_ttft[~sent]).all() and not np.isnan(result.limit_ttft[sent]).any()
+    ttft = result.first_token[sent] - result.arrival[sent]
+    limit = result.limit_ttft[sent]
+    assert (limit > 0).all()
+    assert (ttft >= limit * (1 - 1e-9)).all()
+    # Later turns re-send their history: the limit of most requests counts a cached prefix.
+    full = np.array([isolated_ttft(DEFAULT_PROFILE, int(p), 0, BS) for p in result.prompt_tokens[sent]])
+    assert (limit < full).mean() > 0.5
