@@ -32,7 +32,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=None, help="trace: multiply timestamps by this (ignored with --rate)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--requests", "--limit", dest="requests", type=int, default=None,
-                      help=f"requests to run; sessions: a window holding about that many (defaults: {', '.join(f'{k} {v}' for k, v in DEFAULT_REQUESTS.items())})")
+                      help=f"requests to run; sessions, conversation: a window holding about that many (defaults: {', '.join(f'{k} {v}' for k, v in DEFAULT_REQUESTS.items())})")
     size.add_argument("--duration", type=float, default=None, help="seconds of arrivals (virtual time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, help="engine timing profile (default: the calibrated one)")

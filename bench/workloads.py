@@ -10,6 +10,9 @@ Workloads:
 - `sessions`: multi-turn chat.  Sessions start as a Poisson process; each opens with one of a few
   shared system prompts; every turn re-sends the whole history (previous assistant replies and
   user messages) plus a new user message, so each prompt extends the previous turn's prompt.
+- `conversation`: production-like chat on the same machinery: many more sessions than replicas,
+  heavy-tailed context lengths, turns minutes apart (caches churn), shared system prompts of
+  several sizes, bursts (`ConversationConfig` says why each parameter is what it is).
 - `handbook`: one long shared document and a short, unique question per request; Poisson arrivals.
 - `trace`: a Mooncake-format JSONL trace (`hash_ids` of 512-token blocks; equal id prefixes are
   shared prompt prefixes), timestamps in ms.
@@ -22,7 +25,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import lru_cache, partial
 from itertools import count, islice
 from pathlib import Path
 
@@ -93,7 +96,7 @@ def _random_tokens(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def _lognormal_int(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int) -> int:
-    return int(np.clip(round(rng.lognormal(math.log(median), sigma)), lo, hi))
+    return min(max(round(float(rng.lognormal(math.log(median), sigma))), lo), hi)  # np.clip: 10x slower on scalars
 
 
 def _concat(parts: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -112,6 +115,10 @@ class SessionsConfig:
     to evaluate KV-aware routing.  The mix decides what any router can gain: the shared system
     prompts are cached everywhere whatever the routing, so only the per-session history rewards
     affinity.  Here the system prompt is about a sixth of a turn's prompt on average.
+
+    The draw methods are the shape `session_stream` asks any session workload for (also
+    `ConversationConfig`); their order of draws on a session's generator is part of the seed's
+    meaning.
     """
 
     system_prompts: int = 4
@@ -136,6 +143,7 @@ class SessionsConfig:
     # a fleet that comes up cold while users are mid-conversation.
     warm_start: bool = True
     response_estimate_s: float = 4.0  # a turn's duration, only to place those first turns
+    max_context_tokens: int | None = None  # a session ends before a prompt would exceed it
 
     @property
     def mean_turns(self) -> float:
@@ -147,40 +155,70 @@ class SessionsConfig:
         gaps = self.mean_turns - 1
         return gaps * (self.think_min_s + self.think_mean_s) + self.mean_turns * self.response_estimate_s
 
+    @property
+    def warm_up_s(self) -> float:
+        """How long before time 0 sessions start (warm start)."""
+        return self.lifetime_s if self.warm_start else 0.0
+
+    def system_prompt_tokens(self, seed: int) -> list[np.ndarray]:
+        rng = np.random.default_rng([seed, 0])
+        return [_random_tokens(rng, rng.integers(self.system_tokens[0], self.system_tokens[1] + 1)) for _ in range(self.system_prompts)]
+
+    def session_starts(self, seed: int, time_scale: float, t0: float) -> Iterator[float]:
+        """Session start times after `t0`: Poisson, `time_scale` s apart on average."""
+        rng = np.random.default_rng([seed, 1])
+        t = t0
+        while True:
+            t += rng.exponential(time_scale)
+            yield t
+
+    def draw_system(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(self.system_prompts))
+
+    def draw_turns(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(self.turns[0], self.turns[1] + 1))
+
+    def draw_message(self, rng: np.random.Generator, turn: int) -> int:
+        if turn == 0:
+            return _lognormal_int(rng, self.first_message_median, self.first_message_sigma, *self.first_message_bounds)
+        return _lognormal_int(rng, self.message_median, self.message_sigma, *self.message_bounds)
+
+    def draw_reply(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(self.reply_tokens[0], self.reply_tokens[1] + 1))
+
+    def draw_think(self, rng: np.random.Generator) -> float:
+        return self.think_min_s + rng.exponential(self.think_mean_s)
+
 
 def sessions_stream(
     seed: int,
-    cfg: SessionsConfig = SessionsConfig(),
+    cfg: SessionsConfig | ConversationConfig = SessionsConfig(),
     time_scale: float = 1.0,
     until_s: float | None = None,
 ) -> Iterator[SimRequest]:
     """Sessions in order of start, each followed by its turns; `time_scale` s between starts on
-    average.  Ends with the last session starting before `until_s` (endless without it)."""
-    sys_rng = np.random.default_rng([seed, 0])
-    system = [
-        _random_tokens(sys_rng, sys_rng.integers(cfg.system_tokens[0], cfg.system_tokens[1] + 1))
-        for _ in range(cfg.system_prompts)
-    ]
-    starts = np.random.default_rng([seed, 1])
+    average.  Ends with the last session starting before `until_s` (endless without it).
+
+    `cfg` is any session shape: `SessionsConfig`, `ConversationConfig`."""
+    system = cfg.system_prompt_tokens(seed)
     index = count()
-    t = -cfg.lifetime_s if cfg.warm_start else 0.0
-    for session in count():
-        t += starts.exponential(time_scale)
+    for session, t in enumerate(cfg.session_starts(seed, time_scale, -cfg.warm_up_s)):
         if until_s is not None and t >= until_s:
             return
         rng = np.random.default_rng([seed, 2, session])
-        history: tuple[np.ndarray, ...] = (system[int(rng.integers(cfg.system_prompts))],)
+        history: tuple[np.ndarray, ...] = (system[cfg.draw_system(rng)],)
+        context = history[0].size
         key = f"session-{session}"
         prev: int | None = None
         nominal = t  # when this turn would be sent at the estimated response time (warm start)
-        for turn in range(int(rng.integers(cfg.turns[0], cfg.turns[1] + 1))):
-            if turn == 0:
-                size = _lognormal_int(rng, cfg.first_message_median, cfg.first_message_sigma, *cfg.first_message_bounds)
-            else:
-                size = _lognormal_int(rng, cfg.message_median, cfg.message_sigma, *cfg.message_bounds)
+        for turn in range(cfg.draw_turns(rng)):
+            size = cfg.draw_message(rng, turn)
             history = history + (_random_tokens(rng, size),)
-            reply = int(rng.integers(cfg.reply_tokens[0], cfg.reply_tokens[1] + 1))
-            think = cfg.think_min_s + rng.exponential(cfg.think_mean_s) if turn else 0.0
+            reply = cfg.draw_reply(rng)
+            think = cfg.draw_think(rng) if turn else 0.0
+            context += size
+            if cfg.max_context_tokens is not None and context + reply > cfg.max_context_tokens:
+                break  # the conversation outgrew the model's context window: the user starts anew
             nominal += think
             build = partial(_concat, history)
             if prev is not None:
@@ -193,7 +231,135 @@ def sessions_stream(
             # The next turn re-sends this turn's reply; the emulated engine produces no content,
             # so the reply's tokens are drawn here, deterministically.
             history = history + (_random_tokens(rng, reply),)
+            context += reply
             nominal += cfg.response_estimate_s
+
+
+# --- conversation -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """A lognormal size or time, clipped to [lo, hi], rounded to an integer unless told not to."""
+
+    median: float
+    sigma: float
+    lo: float
+    hi: float
+    integer: bool = True
+
+    def draw(self, rng: np.random.Generator) -> float:
+        x = min(max(float(rng.lognormal(math.log(self.median), self.sigma)), self.lo), self.hi)
+        return round(x) if self.integer else x
+
+    def mean(self) -> float:
+        """Of the clipped (and rounded) distribution, from a fixed-seed sample."""
+        draws = np.clip(np.random.default_rng(0).lognormal(math.log(self.median), self.sigma, 200_000), self.lo, self.hi)
+        return float((np.round(draws) if self.integer else draws).mean())
+
+
+@dataclass(frozen=True)
+class ConversationConfig:
+    """Production-like chat: a long-tailed mix of conversations, minutes between turns, bursts.
+
+    Lengths in tokens, times in seconds.  Every size is drawn from a distribution whose spread
+    matches what public chat logs show, not tuned to any router: the point is a fleet whose KV
+    caches cannot hold every live conversation, where a router must choose what to keep.
+
+    - Many sessions, few replicas: at the simulator's default load (75% of the fleet under
+      round-robin) hundreds of conversations are live per replica; with turns minutes apart their
+      histories do not all fit the replicas' KV caches (444k tokens each with the H100 profile),
+      so caches churn and a turn's history may be gone when it comes back.
+    - Shared system prompts of several sizes (`system_tokens`: a 150-token persona to a
+      12k-token agent/tool specification), Zipf(1) popular in the order given: a few apps carry
+      most of the traffic.  They are the cross-session reuse every policy can get.
+    - Heavy-tailed session material: the first message is lognormal (median 800, sigma 1.5: p90
+      ~5k, p99 ~26k, up to 32k tokens: a question, a pasted file, a whole document), follow-ups
+      lognormal (median 100, sigma 1.3, up to 8k: mostly short, sometimes a paste), replies
+      lognormal (median 300, sigma 0.8, 16-2048; re-sent in the history).  Turn counts lognormal
+      (median 3, sigma 1, 1-40: most chats are short, some go on for dozens of turns), as in
+      LMSYS-Chat-1M and ShareGPT; contexts thus range from a few hundred to tens of thousands of
+      tokens, capped at `max_context_tokens` (a served --max-model-len; the session ends there).
+    - Think time lognormal (median 45 s, sigma 1.1, 5 s to 30 min): reading a reply and writing
+      the next message; the tail is a user who comes back later.  The 5 s floor is also the
+      simulator's look-ahead window.
+    - Bursts: sessions start as a Poisson process whose rate is `burst_factor` times higher during
+      one `burst_s` stretch at a random place in every `burst_period_s` (mean rate unchanged):
+      a news event, a batch job, the start of a working day, compressed.
+    - Warm start over `warm_up_s` (30 min, most sessions' whole life): the window opens on a
+      steady population of conversations, their turns before time 0 not sent (as `sessions`).
+    """
+
+    system_tokens: tuple[int, ...] = (1200, 300, 4000, 700, 12000, 2500, 150, 7000)
+    first_message: LogNormal = LogNormal(800, 1.5, 16, 32000)
+    message: LogNormal = LogNormal(100, 1.3, 4, 8000)
+    reply: LogNormal = LogNormal(300, 0.8, 16, 2048)
+    turns: LogNormal = LogNormal(3, 1.0, 1, 40)
+    think_s: LogNormal = LogNormal(45.0, 1.1, 5.0, 1800.0, integer=False)
+    burst_period_s: float = 300.0
+    burst_s: float = 45.0
+    burst_factor: float = 4.0
+    warm_up_s: float = 1800.0
+    response_estimate_s: float = 10.0  # a turn's duration, only to place warm-started first turns
+    max_context_tokens: int | None = 65536
+
+    @property
+    def mean_turns(self) -> float:
+        """Mean turns per session (of the clipped lognormal, by a fixed-seed sample)."""
+        return self.turns.mean()
+
+    def system_prompt_tokens(self, seed: int) -> list[np.ndarray]:
+        rng = np.random.default_rng([seed, 0])
+        return [_random_tokens(rng, n) for n in self.system_tokens]
+
+    def rate_multiplier(self, seed: int, t: float) -> float:
+        """Session start rate at `t` relative to the mean (bursts; mean 1 over every period)."""
+        period = math.floor(t / self.burst_period_s)
+        offset = _burst_offset(seed, period, self.burst_period_s - self.burst_s)
+        in_burst = offset <= t - period * self.burst_period_s < offset + self.burst_s
+        return self._calm * self.burst_factor if in_burst else self._calm
+
+    @property
+    def _calm(self) -> float:
+        """The multiplier outside bursts: the one that keeps the mean at 1."""
+        return 1.0 / (1.0 + (self.burst_factor - 1.0) * self.burst_s / self.burst_period_s)
+
+    def session_starts(self, seed: int, time_scale: float, t0: float) -> Iterator[float]:
+        """Session start times after `t0`, `time_scale` s apart on average: a Poisson process
+        modulated by `rate_multiplier` (thinning)."""
+        rng = np.random.default_rng([seed, 1])
+        peak = self._calm * self.burst_factor
+        t = t0
+        while True:
+            t += rng.exponential(time_scale / peak)
+            if rng.random() * peak < self.rate_multiplier(seed, t):
+                yield t
+
+    def draw_system(self, rng: np.random.Generator) -> int:
+        return int(rng.choice(len(self.system_tokens), p=_zipf_weights(len(self.system_tokens))))
+
+    def draw_turns(self, rng: np.random.Generator) -> int:
+        return int(self.turns.draw(rng))
+
+    def draw_message(self, rng: np.random.Generator, turn: int) -> int:
+        return int((self.message if turn else self.first_message).draw(rng))
+
+    def draw_reply(self, rng: np.random.Generator) -> int:
+        return int(self.reply.draw(rng))
+
+    def draw_think(self, rng: np.random.Generator) -> float:
+        return self.think_s.draw(rng)
+
+
+@lru_cache(maxsize=4096)
+def _burst_offset(seed: int, period: int, span: float) -> float:
+    """Where the burst of one period starts in it (periods before time 0 have negative numbers)."""
+    return float(np.random.default_rng([seed, 3, period + 2**40]).uniform(0, span))
+
+
+def _zipf_weights(n: int) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1)
+    return w / w.sum()
 
 
 # --- handbook ---------------------------------------------------------------------------------
@@ -294,17 +460,28 @@ def trace_stream(rows: list[dict]) -> Iterator[SimRequest]:
 
 # --- assembling a run -------------------------------------------------------------------------
 
-WORKLOADS = ("sessions", "handbook", "trace", "random")
+WORKLOADS = ("sessions", "conversation", "handbook", "trace", "random")
 # Sized so that `--policy all` runs in well under 3 minutes on 2 shared cores.  The trace's
 # default is its first 2,000 requests (its reuse grows along it: 33% of blocks over these, 64%
 # over all 3,993; `--requests 3993` replays the whole trace in about twice the time).
-DEFAULT_REQUESTS = {"sessions": 3000, "handbook": 3000, "trace": 2000, "random": 3000}
+DEFAULT_REQUESTS = {"sessions": 3000, "conversation": 4000, "handbook": 3000, "trace": 2000, "random": 3000}
+SESSION_WORKLOADS = ("sessions", "conversation")  # closed loop: a request count becomes a window
 
 
-def unit_rate(name: str, trace_rows: list[dict] | None = None, sessions: SessionsConfig | None = None) -> float:
+SessionShape = SessionsConfig | ConversationConfig
+
+
+def session_shape(name: str, shape: SessionShape | None) -> SessionShape:
+    """The given shape of a session workload, or its default."""
+    if shape is not None:
+        return shape
+    return ConversationConfig() if name == "conversation" else SessionsConfig()
+
+
+def unit_rate(name: str, trace_rows: list[dict] | None = None, sessions: SessionShape | None = None) -> float:
     """The workload's request rate (req/s) at time scale 1."""
-    if name == "sessions":
-        return (sessions or SessionsConfig()).mean_turns  # one session per second; long-run rate
+    if name in SESSION_WORKLOADS:
+        return session_shape(name, sessions).mean_turns  # one session per second; long-run rate
     if name in ("handbook", "random"):
         return 1.0
     if name == "trace":
@@ -332,11 +509,11 @@ def stream(
     time_scale: float = 1.0,
     until_s: float | None = None,
     trace_rows: list[dict] | None = None,
-    sessions: SessionsConfig | None = None,
+    sessions: SessionShape | None = None,
 ) -> Iterator[SimRequest]:
     """The workload's requests with arrival times at `time_scale`, up to `until_s` if given."""
-    if name == "sessions":
-        return sessions_stream(seed, sessions or SessionsConfig(), time_scale, until_s)
+    if name in SESSION_WORKLOADS:
+        return sessions_stream(seed, session_shape(name, sessions), time_scale, until_s)
     if name == "handbook":
         return _open_loop(handbook_stream(seed), time_scale, until_s)
     if name == "random":
@@ -355,7 +532,7 @@ def build_workload(
     rate: float | None = None,
     time_scale: float | None = None,
     trace_path: str | Path | None = None,
-    sessions: SessionsConfig | None = None,
+    sessions: SessionShape | None = None,
 ) -> Workload:
     """Take a run out of a workload's stream.
 
@@ -381,7 +558,7 @@ def build_workload(
         raise ValueError("time scale must be positive")
     if requests is None and duration_s is None:
         requests = DEFAULT_REQUESTS[name]
-    if name == "sessions":
+    if name in SESSION_WORKLOADS:
         # Closed loop: a request count becomes the window that holds that many at the long-run
         # rate (sessions never ramp up or drain: warm start, and turns after the window are cut).
         end = requests * scale / base_rate if requests is not None else math.inf

@@ -10,7 +10,7 @@ import pytest
 from bench import sim_cli
 from bench.limit import LIMIT_KEYS, isolated_ttft
 from bench.sim import METRIC_KEYS, FleetConfig, FleetSim, drive, offered_load_rate, prepare, simulate_policy
-from bench.workloads import SessionsConfig, build_workload
+from bench.workloads import ConversationConfig, SessionsConfig, build_workload
 from replica.emulated.engine import EmulatedEngine, EngineRequest
 from replica.emulated.profile import DEFAULT_PROFILE, PROFILES
 from router.policy import make_policy
@@ -192,3 +192,17 @@ def test_no_policy_beats_the_physical_limit_on_any_request(sessions, policy):
     # Later turns re-send their history: the limit of most requests counts a cached prefix.
     full = np.array([isolated_ttft(DEFAULT_PROFILE, int(p), 0, BS) for p in result.prompt_tokens[sent]])
     assert (limit < full).mean() > 0.5
+
+
+def test_conversation_outgrows_a_replicas_kv_cache():
+    """Conversations minutes apart outgrow a replica's KV cache (the default profile's 444k
+    tokens) within minutes at the default load (~1.8 req/s per replica): the engine evicts cached
+    blocks, a quarter of its capacity and more within five minutes."""
+    workload = build_workload("conversation", seed=1, requests=600, rate=1.8, sessions=ConversationConfig(warm_up_s=600.0))
+    fleet = run(prepare(workload, BS), "round_robin", replicas=1)
+    removed = []
+    publish = fleet.engines[0].on_kv_event
+    fleet.engines[0].on_kv_event = lambda ev: (removed.extend(getattr(ev, "block_hashes", ())) if type(ev).__name__ == "BlockRemoved" else None, publish(ev))
+    m = fleet.simulate().metrics()
+    assert m["requests"] > 250
+    assert len(removed) > DEFAULT_PROFILE.num_gpu_blocks // 4

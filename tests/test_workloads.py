@@ -9,6 +9,7 @@ from bench.sim import available_blocks
 from bench.workloads import (
     TRACE_BLOCK_TOKENS,
     VOCAB_SIZE,
+    ConversationConfig,
     SessionsConfig,
     build_workload,
     text_proxy,
@@ -180,3 +181,57 @@ def test_sessions_warm_start_opens_mid_conversation_inside_the_window():
     # ...and the early part of the window is as busy as the rest (cold: nothing before the first start).
     early = sum(1 for r in warm.requests if r.after is None and r.arrival_s < 2.0)
     assert early > sum(1 for r in cold.requests if r.after is None and r.arrival_s < 2.0)
+
+
+SHORT_WARM_UP = ConversationConfig(warm_up_s=600.0)  # the default 30 min costs seconds to build
+
+
+def test_conversation_is_many_long_tailed_sessions_minutes_apart_on_shared_system_prompts():
+    cfg = SHORT_WARM_UP
+    w = build_workload("conversation", seed=2, requests=600, rate=3.0, sessions=cfg)
+    assert signature(w) == signature(build_workload("conversation", seed=2, requests=600, rate=3.0, sessions=cfg))
+    assert signature(w)[:50] != signature(build_workload("conversation", seed=3, requests=600, rate=3.0, sessions=cfg))[:50]
+    prompts = {r.index: r.tokens() for r in w.requests}
+    sizes = np.array([p.size for p in prompts.values()])
+    # Heavy-tailed contexts: from a few hundred tokens to tens of thousands, a long upper tail.
+    assert sizes.min() < 1000 and sizes.max() > 20000
+    assert np.percentile(sizes, 99) > 4 * np.percentile(sizes, 50)
+    assert sizes.max() <= cfg.max_context_tokens
+    # Many more sessions than replicas, turns minutes apart.
+    sessions = {r.session_key for r in w.requests}
+    assert len(sessions) > 100
+    thinks = np.array([r.think_s for r in w.requests if r.after is not None])
+    assert thinks.min() >= cfg.think_s.lo and np.median(thinks) > 30 and thinks.max() > 300
+    assert w.min_think_s >= cfg.think_s.lo
+    # A turn re-sends the previous prompt and its reply.
+    by_index = {r.index: r for r in w.requests}
+    for r in w.requests:
+        if r.after is not None:
+            before = prompts[r.after]
+            assert prompts[r.index].size > before.size + by_index[r.after].max_tokens
+            assert np.array_equal(prompts[r.index][: before.size], before)
+    # Shared system prompts of several sizes, the popular ones opening many sessions.
+    system = cfg.system_prompt_tokens(2)
+    opened = [next(k for k, s in enumerate(system) if np.array_equal(p[: s.size], s)) for p in prompts.values()]
+    counts = np.bincount(opened, minlength=len(system))
+    assert (counts > 0).sum() >= 5 and counts[0] == counts.max()
+    used_sizes = {system[k].size for k in set(opened)}
+    assert min(used_sizes) <= 700 and max(used_sizes) >= 4000
+
+
+def test_conversation_bursts_keep_the_mean_rate():
+    cfg = ConversationConfig()
+    grid = np.arange(0, 30 * cfg.burst_period_s, 1.0)
+    multipliers = np.array([cfg.rate_multiplier(0, t) for t in grid])
+    assert multipliers.mean() == pytest.approx(1.0, rel=1e-3)
+    assert multipliers.max() / multipliers.min() == pytest.approx(cfg.burst_factor)
+    starts = []
+    for t in cfg.session_starts(0, 1.0, 0.0):
+        if t >= grid[-1]:
+            break
+        starts.append(t)
+    in_burst = np.array([cfg.rate_multiplier(0, t) > 1 for t in starts])
+    assert len(starts) == pytest.approx(grid[-1], rel=0.05)  # one session a second on average
+    share_of_time = cfg.burst_s / cfg.burst_period_s
+    expected = share_of_time * multipliers.max()  # bursts' share of the starts
+    assert in_burst.mean() == pytest.approx(expected, abs=0.04) and expected > 2 * share_of_time
