@@ -1,0 +1,461 @@
+"""Prompt tokenization for the router: a model's own tokenizer.json and chat template.
+
+The router hashes the token ids the engine will see, so two things must match the engine exactly:
+
+* the chat template is rendered as transformers renders it for vLLM (sandboxed Jinja with
+  trim_blocks/lstrip_blocks, ``raise_exception``, ``strftime_now``, a non-escaping ``tojson``, the
+  special tokens as variables; messages normalized as vLLM's chat parser does), and
+* the rendered prompt is tokenized as vLLM tokenizes it (``add_special_tokens=False`` for chat,
+  ``True`` for completions, with the post-processor transformers would install).
+
+Speed on multi-turn traffic comes from how ``tokenizers`` encodes: its added-vocabulary pass first
+cuts the input at every added token matched on the raw text (``normalized=False``, which special
+tokens are), leftmost-longest, each lstrip/rstrip token absorbing the whitespace beside it; only
+then does it normalize, pre-tokenize and run the model, on each piece between those tokens
+separately.  A pre-tokenizer regex such as ``\\s+(?!\\S)`` therefore never looks across a special
+token, and ByteLevel's ``add_prefix_space`` (either value) applies to every piece alike.  So the
+ids of a prompt are the concatenation of the ids of its pieces, and a piece seen before (an
+earlier turn of the conversation, a shared system prompt) is looked up instead of re-tokenized.
+This is exact for byte-level BPE, with or without a prefix space, and for every step that treats
+all pieces alike.  What is not (a Metaspace pre-tokenizer with ``prepend_scheme="first"``, which
+prepends only to the piece at offset 0; single-word added tokens; BPE dropout;
+``split_special_tokens``) falls back to whole-string encoding, and a self-check at load time
+disables splitting if it ever disagrees with whole-string encoding on a probe.  The tests prove
+equality with hypothesis on random chats and texts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Before `tokenizers` is imported: its batch encoders otherwise queue every call on one shared
+# rayon pool, so a short prompt encoded on the event loop waits behind long ones submitted from
+# the thread pool (stalls of 0.15-2.4 s seen under concurrent long prompts).  Our own thread pool
+# is the parallelism; each call then runs, GIL released, in the thread that made it.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tokenizers import AddedToken  # noqa: E402
+from tokenizers import Tokenizer as HfTokenizer  # noqa: E402
+from tokenizers.processors import TemplateProcessing  # noqa: E402
+
+from ..blocks import token_bytes  # noqa: E402
+from .chat_template import ContentFormat, RenderJob, chat_size, pick_named_template, prepare_render, render  # noqa: E402
+from .client_templates import ClientTemplates  # noqa: E402
+from .errors import PromptTooLong, TokenizerLoadError, TokenizerNotFoundError  # noqa: E402
+from .memory import release_free_memory  # noqa: E402
+from .segments import (  # noqa: E402
+    DEFAULT_CACHE_MAX_CHARS,
+    DEFAULT_CACHE_MAX_ENTRIES,
+    U32_NATIVE,
+    SegmentCache,
+    Splitter,
+    ids_array,
+    unsafe_to_split,
+)
+
+log = logging.getLogger(__name__)
+
+# Up to this many new characters are tokenized on the calling thread: a thread hop costs ~50-100
+# microseconds, about what tokenizing a few hundred characters costs (a 16 KB prompt: milliseconds).
+DEFAULT_INLINE_MAX_CHARS = 512
+# A longer text is cut and looked up on the pool as well (a regex split over 64 K chars: ~1 ms).
+PLAN_INLINE_MAX_CHARS = 65_536
+# A chat of up to about this many characters renders on the loop (~1 ms); a larger one on the pool.
+RENDER_INLINE_MAX_CHARS = 65_536
+# Length checks tokenize prefixes of at least this many characters (smaller texts are just encoded).
+PROBE_MIN_CHARS = 65_536
+# After tokenizing a text this long, free heap goes back to the OS (tokenizers' transient
+# per-byte buffers are ~50x the text, and glibc keeps them otherwise: RSS that never comes back).
+TRIM_AFTER_CHARS = 1_000_000
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass
+class _Plan:
+    """A text cut into parts: ids arrays, and segments (str) still to encode, listed in ``missing``."""
+
+    parts: list[Any]
+    missing: list[str]
+    whole: bool = False  # one whole-string encode, special tokens included
+    wrap: bool = False  # put the post-processor's special tokens around the parts
+    use_cache: bool = True
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"cannot read {path}: {exc}") from exc
+
+
+
+_shared_executor: ThreadPoolExecutor | None = None
+_shared_executor_lock = threading.Lock()
+
+
+def _default_executor() -> ThreadPoolExecutor:
+    """One pool for every tokenizer of the process: tokenizing is CPU work, one thread per core."""
+    global _shared_executor
+    with _shared_executor_lock:
+        if _shared_executor is None:
+            _shared_executor = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="kvroute-tokenize")
+        return _shared_executor
+
+
+class Tokenizer:
+    """One model's tokenizer and chat template, with a segment cache.
+
+    Build it with :meth:`from_dir`.  Sync methods may be called from any thread; the async ones
+    run large new segments on a thread pool (the batch encoders of ``tokenizers`` release the GIL;
+    its plain ``encode`` does not, so it is not used).
+    """
+
+    def __init__(
+        self,
+        backend: HfTokenizer,
+        config: Mapping[str, Any] | None = None,
+        *,
+        chat_template: str | list | None = None,
+        content_format: ContentFormat = "auto",
+        name: str = "",
+        cache_max_chars: int = DEFAULT_CACHE_MAX_CHARS,
+        cache_max_entries: int = DEFAULT_CACHE_MAX_ENTRIES,
+        inline_max_chars: int = DEFAULT_INLINE_MAX_CHARS,
+        executor: Executor | None = None,
+    ):
+        config = dict(config or {})
+        self.name = name
+        self.config = config
+        self._backend = backend
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        # transformers disables truncation and padding unless a call asks for them.
+        backend.no_truncation()
+        backend.no_padding()
+        self.special_tokens: dict[str, Any] = {k: _token_content(config.get(k)) for k in _SPECIAL_TOKEN_KEYS if _token_content(config.get(k))}
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+        if isinstance(extra, Mapping):  # transformers v5 may store named extra tokens
+            extra = list(extra.values())
+        extra_tokens = [c for c in (_token_content(t) for t in extra) if c]
+        if extra_tokens:
+            self.special_tokens["additional_special_tokens"] = extra_tokens
+        self._add_missing_special_tokens(extra_tokens)
+        split_special = bool(config.get("split_special_tokens", False))
+        if split_special:
+            backend.encode_special_tokens = True
+        self._install_post_processor()
+
+        # Added tokens matched on the raw text cut the input (normalized ones are matched later,
+        # inside each piece, by tokenizers itself).
+        added = {t.content: t for t in backend.get_added_tokens_decoder().values() if not t.normalized}
+        self._splitter = Splitter(added)
+        self._token_ids = {c: backend.token_to_id(c) for c in added}
+        self._token_arrays = {c: ids_array((i,)) for c, i in self._token_ids.items()}
+        reason = unsafe_to_split(json.loads(backend.to_str()), added.values(), split_special)
+        if reason is None:
+            reason = self._self_check(list(added))
+        if reason is not None:
+            log.info("tokenizer %s: not splitting at special tokens (%s); whole prompts are encoded", name or "?", reason)
+            self._splitter = Splitter({})
+        self.segmented = reason is None
+
+        self._prefix, self._suffix = self._special_wrapping()
+        self._chat_template = chat_template
+        self.content_format = content_format
+        self.model_max_length = config.get("model_max_length")
+        self.cache = SegmentCache(cache_max_chars, cache_max_entries)
+        self.inline_max_chars = inline_max_chars
+        self._executor = executor
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str], *, chat_template: str | os.PathLike[str] | None = None, **kwargs: Any) -> Tokenizer:
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (and a chat template file) from a directory.
+
+        The chat template comes from, in order: the ``chat_template`` argument (template text, or a
+        Path to a file, like vLLM's ``--chat-template``), ``chat_template.jinja``, a file named
+        ``chat_template``, ``chat_template.json``, ``tokenizer_config.json``.
+        """
+        root = Path(path)
+        if not root.is_dir():
+            raise TokenizerNotFoundError(f"tokenizer directory {str(root)!r} does not exist (or is not a directory)")
+        tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            present = ", ".join(sorted(p.name for p in root.iterdir())[:20]) or "nothing"
+            raise TokenizerNotFoundError(f"no tokenizer.json in {str(root)!r} (it holds: {present})")
+        try:
+            backend = HfTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise TokenizerLoadError(f"cannot load {tokenizer_file}: {exc}") from exc
+        config_file = root / "tokenizer_config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+        template: Any = chat_template
+        if isinstance(template, os.PathLike):
+            try:
+                template = Path(template).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise TokenizerNotFoundError(f"cannot read chat template {str(chat_template)!r}: {exc}") from exc
+        if template is None:
+            for candidate in ("chat_template.jinja", "chat_template"):
+                if (root / candidate).is_file():
+                    template = (root / candidate).read_text(encoding="utf-8")
+                    break
+        if template is None and (root / "chat_template.json").is_file():
+            template = _read_json(root / "chat_template.json").get("chat_template")
+        if template is None:
+            template = config.get("chat_template")
+        kwargs.setdefault("name", root.name)
+        return cls(backend, config, chat_template=template, **kwargs)
+
+    def _add_missing_special_tokens(self, extra_tokens: list[str]) -> None:
+        """transformers adds the config's special tokens that tokenizer.json lacks; so do we."""
+        present = {t.content for t in self._backend.get_added_tokens_decoder().values()}
+        decoder = self.config.get("added_tokens_decoder") or {}
+        wanted: list[AddedToken] = []
+        for _, spec in sorted(decoder.items(), key=lambda kv: int(kv[0])):
+            if isinstance(spec, Mapping) and spec.get("content") and spec["content"] not in present:
+                wanted.append(AddedToken(spec["content"], single_word=spec.get("single_word", False), lstrip=spec.get("lstrip", False),
+                                         rstrip=spec.get("rstrip", False), normalized=spec.get("normalized", False), special=spec.get("special", True)))
+        named = [v for k, v in self.special_tokens.items() if k != "additional_special_tokens"] + extra_tokens
+        for content in named:
+            if content not in present and all(t.content != content for t in wanted):
+                wanted.append(AddedToken(content, special=True, normalized=False))
+        if wanted:
+            self._backend.add_tokens(wanted)  # keeps each token's own `special` flag
+
+    def _install_post_processor(self) -> None:
+        """transformers rebuilds the post-processor when the config sets add_bos/eos_token explicitly."""
+        if "add_bos_token" not in self.config and "add_eos_token" not in self.config:
+            return
+        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
+        add_bos = bool(self.config.get("add_bos_token")) and bos is not None
+        add_eos = bool(self.config.get("add_eos_token")) and eos is not None
+        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
+        pair = single + (f" {bos}:1" if add_bos else "") + " $B:1" + (f" {eos}:1" if add_eos else "")
+        specials = ([(bos, self._backend.token_to_id(bos))] if add_bos else []) + ([(eos, self._backend.token_to_id(eos))] if add_eos else [])
+        self._backend.post_processor = TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+    def _special_wrapping(self) -> tuple[tuple[int, ...], tuple[int, ...]] | tuple[None, None]:
+        """Ids the post-processor puts around a single sequence (e.g. BOS), found by a probe."""
+        probe = "kvroute probe text"
+        plain = self._backend.encode(probe, add_special_tokens=False).ids
+        full = self._backend.encode(probe, add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return tuple(full[:start]), tuple(full[start + len(plain) :])
+        return None, None  # a post-processor that rewrites the sequence: encode whole prompts
+
+    def _self_check(self, split_tokens: list[str]) -> str | None:
+        if not split_tokens:
+            return None
+        sample = [" lead", "x  ", "\n\n", "tail  \n", " café 東京 ", "end"]
+        text = "".join(s + split_tokens[i % len(split_tokens)] for i, s in enumerate(sample)) + "  last "
+        whole = self._backend.encode(text, add_special_tokens=False).ids
+        if [i for piece in self._pieces(text, False, use_cache=False) for i in piece] != whole:
+            return "self-check: split encoding differs from whole-string encoding"
+        return None
+
+    # ---------------------------------------------------------------- chat rendering
+
+    @property
+    def chat_template(self) -> str | None:
+        return pick_named_template(self._chat_template, None)
+
+    def prepare_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        /,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> RenderJob:
+        """What :meth:`render_chat` renders, checked and resolved (cheap: nothing parsed yet)."""
+        return prepare_render(
+            messages, self._chat_template, client_template=chat_template, model_name=self.name,
+            content_format=self.content_format, special_tokens=self.special_tokens,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tools=tools, documents=documents, template_kwargs=template_kwargs, kwargs=kwargs,
+        )
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> str:
+        """The prompt text the engine renders for these messages (vLLM + transformers rules).
+
+        Options: add_generation_prompt, continue_final_message, tools, documents, chat_template
+        (a template to use instead of the model's), template_kwargs (a request's
+        ``chat_template_kwargs``) and any other keyword, which become template variables.  As in
+        vLLM, ``template_kwargs`` may override the first four but never the template.
+        """
+        return render(self.prepare_chat(messages, **options))
+
+    async def arender_chat(
+        self, messages: Sequence[Mapping[str, Any]], /, *, client_templates: ClientTemplates | None = None, **options: Any
+    ) -> str:
+        """:meth:`render_chat` that keeps the event loop free: a ``chat_template`` given here goes
+        to ``client_templates``' worker process when one is given (time and size budgets), and a
+        large chat renders on the thread pool."""
+        job = self.prepare_chat(messages, **options)
+        if options.get("chat_template") is not None and client_templates is not None:
+            return await client_templates.render(job)
+        if chat_size(job.messages) <= RENDER_INLINE_MAX_CHARS:
+            return render(job)
+        return await self._in_pool(lambda: render(job))
+
+    # ---------------------------------------------------------------- encoding
+    # One path for every variant (sync or async, ids or bytes): _plan cuts the text at added tokens
+    # and looks its pieces up in the cache; _encode_new tokenizes the new ones (here or on the
+    # pool); _join caches them and concatenates the pieces, special tokens around them if asked.
+
+    def _plan(self, text: str, add_special_tokens: bool, use_cache: bool = True) -> _Plan:
+        if add_special_tokens and self._prefix is None:
+            return _Plan([text], [text], whole=True)  # a post-processor that rewrites the sequence
+        pieces = self._splitter.split(text)
+        segments = [seg for seg in pieces[0::2] if seg]
+        cached = iter(self.cache.lookup(segments) if use_cache else [None] * len(segments))
+        parts: list[Any] = []
+        missing: dict[str, None] = {}  # ordered set
+        ids_of = self._token_arrays
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                parts.append(ids_of[piece])
+            elif piece:
+                ids = next(cached)
+                if ids is None:
+                    missing[piece] = None
+                    parts.append(piece)
+                else:
+                    parts.append(ids)
+        return _Plan(parts, list(missing), wrap=add_special_tokens, use_cache=use_cache)
+
+    def _encode_new(self, plan: _Plan) -> list[Sequence[int]]:
+        """The ids of the plan's new segments (the batch encoder: it releases the GIL)."""
+        if not plan.missing:
+            return []
+        return [ids_array(e.ids) for e in self._encode_batch(plan.missing, add_special_tokens=plan.whole)]
+
+    def _join(self, plan: _Plan, encoded: list[Sequence[int]]) -> list[Sequence[int]]:
+        if plan.whole:
+            return encoded
+        if encoded and plan.use_cache:
+            self.cache.store(plan.missing, encoded)
+        new = dict(zip(plan.missing, encoded))
+        pieces = [new[part] if isinstance(part, str) else part for part in plan.parts]
+        if plan.wrap and (self._prefix or self._suffix):
+            pieces = [ids_array(self._prefix or ()), *pieces, ids_array(self._suffix or ())]
+        return pieces
+
+    def _pieces(self, text: str, add_special_tokens: bool, max_tokens: int | None = None, use_cache: bool = True) -> list[Sequence[int]]:
+        """The ids of ``text`` as a list of arrays, on this thread."""
+        if max_tokens is not None:
+            self._check_length(text, max_tokens)
+        plan = self._plan(text, add_special_tokens, use_cache)
+        pieces = self._join(plan, self._encode_new(plan))
+        if len(text) >= TRIM_AFTER_CHARS:
+            release_free_memory()
+        return pieces
+
+    async def _apieces(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[Sequence[int]]:
+        """:meth:`_pieces`, keeping the event loop free: a long text is cut and looked up on the
+        pool too (the regex split and the joins of a megabyte prompt take milliseconds)."""
+        if len(text) > PLAN_INLINE_MAX_CHARS:
+            pieces = await self._in_pool(lambda: self._pieces(text, add_special_tokens, max_tokens))
+        else:
+            plan = self._plan(text, add_special_tokens)
+            if sum(map(len, plan.missing)) <= self.inline_max_chars:
+                encoded = self._encode_new(plan)
+            else:
+                encoded = await self._in_pool(lambda: self._encode_new(plan))
+            pieces = self._join(plan, encoded)
+        if max_tokens is not None and (n := sum(map(len, pieces))) > max_tokens:
+            raise PromptTooLong(n, max_tokens, at_least=False)
+        return pieces
+
+    def _check_length(self, text: str, max_tokens: int) -> None:
+        """PromptTooLong when ``text`` is over ``max_tokens``, found on growing prefixes of it so
+        that a huge prompt costs what ~4x the limit costs, not what its whole length would.
+
+        A prefix's ids are the whole text's ids up to the cut, but for the last few tokens at
+        the cut: a prefix over the limit by a margin proves the whole is over it.
+        """
+        size = max(PROBE_MIN_CHARS, 4 * max_tokens)
+        while size < len(text):
+            n = len(self._encode_batch([text[:size]], add_special_tokens=False)[0])
+            if n > max_tokens * 1.05 + 64:
+                raise PromptTooLong(n, max_tokens, at_least=True)
+            size *= 4
+        # the whole text is encoded next; its exact count is checked by the caller's limit
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``, equal to ``tokenizer.json``'s whole-string encoding."""
+        return [i for piece in self._pieces(text, add_special_tokens) for i in piece]
+
+    def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """A completion prompt's ids: special tokens added as the engine adds them (BOS if configured)."""
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], /, *, add_special_tokens: bool = False, **render_kwargs: Any) -> list[int]:
+        """A chat's ids: the rendered prompt tokenized with ``add_special_tokens=False`` (vLLM's default)."""
+        return self.encode(self.render_chat(messages, **render_kwargs), add_special_tokens=add_special_tokens)
+
+    async def aencode(self, text: str, *, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
+        """``encode`` that never blocks the event loop on a long text."""
+        return [i for piece in await self._apieces(text, add_special_tokens, max_tokens) for i in piece]
+
+    async def aencode_bytes(self, text: str, *, add_special_tokens: bool = False, max_tokens: int | None = None) -> bytes:
+        """``aencode``'s ids as uint32 little-endian bytes (what block hashing reads), joined in C
+        from the cached segments' arrays: no list of ints is built nor converted.  Over
+        ``max_tokens``: :class:`PromptTooLong`, found before a huge text is tokenized whole."""
+        pieces = await self._apieces(text, add_special_tokens, max_tokens)
+        if U32_NATIVE:
+            return b"".join(pieces)  # type: ignore[arg-type]  # arrays of uint32
+        return token_bytes([i for piece in pieces for i in piece])
+
+    async def aencode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return await self.aencode(text, add_special_tokens=add_special_tokens)
+
+    async def aencode_chat(self, messages: Sequence[Mapping[str, Any]], /, *, add_special_tokens: bool = False, **render_kwargs: Any) -> list[int]:
+        return await self.aencode(await self.arender_chat(messages, **render_kwargs), add_special_tokens=add_special_tokens)
+
+    async def _in_pool(self, fn: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor or _default_executor(), fn)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ---------------------------------------------------------------- introspection
+
+    @property
+    def backend(self) -> HfTokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (post-processor as transformers would set it)."""
+        return self._backend
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab={self.vocab_size}, segmented={self.segmented}, cached={len(self.cache)})"
+
