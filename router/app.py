@@ -49,7 +49,8 @@ from .requests import Kind, decode_json_object, parse_request
 from .reconcile import EngineCacheCounters
 from .reuse import ReuseTracker
 from .routing import Router
-from .tokens import TokenizerRegistry
+from .tokens import ClientTemplates, TokenizerRegistry
+from .tokens.memory import keep_large_buffers_mapped
 
 log = logging.getLogger("kvroute.router")
 
@@ -110,8 +111,19 @@ class RouterApp:
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         s = self.settings
+        keep_large_buffers_mapped()  # a huge request's buffers go back to the OS once freed
         self.timeouts = Timeouts(s.connect_timeout_s, s.first_byte_timeout_s, s.idle_timeout_s)
-        self.tokenizers = TokenizerRegistry.from_config(s.tokenizers, s.tokenizer)  # bad paths fail now
+        client_templates = None
+        if s.allow_client_chat_template:
+            client_templates = ClientTemplates(
+                timeout_s=s.client_chat_template_timeout_s,
+                max_output_chars=s.client_chat_template_max_chars,
+                workers=s.client_chat_template_workers,
+            )
+        # bad paths fail now
+        self.tokenizers = TokenizerRegistry.from_config(s.tokenizers, s.tokenizer, client_templates=client_templates)
+        if client_templates is not None:
+            client_templates.start()  # in the background: an interpreter per worker
         self.policy = make_policy(s.policy, **s.policy_options)
         self.session = make_upstream_session(self.timeouts)  # the fleet's probes and scrapes
         self.upstream = make_upstream_pool(self.timeouts)  # proxied requests
@@ -226,6 +238,7 @@ class RouterApp:
         await self.upstream.close()
         if self._given_index is None:
             await self.index.close()
+        await self.tokenizers.aclose()
 
     async def __aenter__(self) -> RouterApp:
         await self.start()

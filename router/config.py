@@ -105,7 +105,10 @@ class RouterSettings(BaseSettings):
 
     # -- limits ----------------------------------------------------------------------------
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="largest request body (413 above)")
-    max_prompt_tokens: int | None = Field(None, gt=0, description="largest prompt in tokens (400 above)")
+    max_prompt_tokens: int | None = Field(
+        None, gt=0, description="largest prompt in tokens (400 above); unset: the longest max_model_len the "
+        "model's replicas announce in /v1/models"
+    )
     max_in_flight: int = Field(1024, gt=0, description="concurrent proxied requests (429 above)")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
 
@@ -116,6 +119,18 @@ class RouterSettings(BaseSettings):
     admin_token: SecretStr | None = Field(None, description="bearer token of /admin/ (unset: admin disabled)")
     tenant_isolation: bool = Field(False, description="derive cache_salt from the client's API key")
     tenant_salt_secret: SecretStr | None = Field(None, description="HMAC key of tenant salts (share it among routers)")
+
+    allow_client_chat_template: bool = Field(
+        False, description="render a request's own chat_template (in a sandboxed worker process, within the "
+        "budgets below); off: such requests get a 400"
+    )
+    client_chat_template_timeout_s: float = Field(
+        1.0, gt=0, description="time budget of rendering one client chat template (400 and a new worker above)"
+    )
+    client_chat_template_max_chars: int = Field(
+        16 * 1024 * 1024, gt=0, description="output budget of one client chat template, in characters (400 above)"
+    )
+    client_chat_template_workers: int = Field(1, gt=0, description="processes rendering client chat templates")
 
     # -- upstream --------------------------------------------------------------------------
     connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect to a replica")

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from .policy.base import Policy, ReplicaState, RouteRequest
 from .proxy import Outcome
 from .requests import ParsedRequest, prompt_batch
 from .reuse import ReuseTracker
-from .tokens import TokenizerError, TokenizerRegistry
+from .tokens import ClientTemplateRefused, PromptTooLong, TokenizerError, TokenizerRegistry
 
 log = logging.getLogger("kvroute.router")
 
@@ -79,6 +79,35 @@ def adapter_of(model: str, replicas: Sequence[Replica]) -> tuple[str | None, str
                 parent = card_parent(card)
                 return (model, parent) if parent else (None, model)
     return None, model
+
+
+def max_model_len(model: str, replicas: Sequence[Replica]) -> int | None:
+    """The longest context the replicas serving ``model`` announce (vLLM's ``max_model_len`` in
+    /v1/models): a longer prompt is refused by every engine, so the router refuses it first,
+    without tokenizing all of a huge one."""
+    lengths = [card.get("max_model_len") for r in replicas for card in r.model_cards if card.get("id") == model]
+    return max((n for n in lengths if type(n) is int and n > 0), default=None)
+
+
+def check_client_template(body: Mapping[str, Any], allowed: bool) -> None:
+    """A request's own ``chat_template``: a 400 unless this router renders them (in a worker)."""
+    template = body.get("chat_template")
+    if template is None:
+        return
+    if not isinstance(template, str):
+        raise ApiError(400, "chat_template must be a string", param="chat_template", code="invalid_type")
+    if not allowed:
+        raise ApiError(
+            400,
+            "this router renders only the model's own chat template; a request's chat_template is accepted "
+            "when the operator enables it (--allow-client-chat-template, KVROUTE_ALLOW_CLIENT_CHAT_TEMPLATE=true)",
+            param="chat_template",
+            code="client_chat_template_disabled",
+        )
+
+
+def prompt_too_long(parsed: ParsedRequest, message: str) -> NoReturn:
+    raise ApiError(400, message, param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
 
 
 def tenant_salt(api_key: str, secret: bytes) -> str:
@@ -229,15 +258,14 @@ class Router:
         if parsed.stream and not parsed.client_wants_usage:
             additions["stream_options"] = {**(parsed.body.get("stream_options") or {}), "include_usage": True}
 
-        prompt = await self._tokenize(parsed, model, base)
-        limit = self.settings.max_prompt_tokens
+        limit = self.settings.max_prompt_tokens  # of the whole batch
+        per_prompt = min((n for n in (limit, max_model_len(model, replicas)) if n is not None), default=None)
+        try:
+            prompt = await self._tokenize(parsed, model, base, per_prompt)
+        except PromptTooLong as exc:
+            prompt_too_long(parsed, str(exc))
         if limit is not None and prompt.tokens > limit:
-            raise ApiError(
-                400,
-                f"prompt is {prompt.tokens} tokens long, more than this router's limit of {limit}",
-                param="messages" if parsed.kind == "chat" else "prompt",
-                code="context_length_exceeded",
-            )
+            prompt_too_long(parsed, f"prompt is {prompt.tokens} tokens long, more than the limit of {limit}")
         block_size = self.fleet.block_size(model)
         seed = namespace_seed(base, lora, salt)
         chains = tuple(self.chains.chain(data, block_size, seed) for data in prompt.data)
@@ -300,22 +328,25 @@ class Router:
             )
         raise ApiError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
 
-    async def _tokenize(self, parsed: ParsedRequest, model: str, base: str) -> Prompt:
+    async def _tokenize(self, parsed: ParsedRequest, model: str, base: str, limit: int | None) -> Prompt:
         body = parsed.body
         # an adapter without a tokenizer of its own uses its base model's (else the default one)
         tok = self.tokenizers.get(model if model in self._explicit_tokenizers else base)
         want_text = self.policy.needs_text
         if parsed.kind == "chat":
             messages = body["messages"]
+            check_client_template(body, self.tokenizers.client_templates is not None)
             if tok is not None:
                 try:
                     kwargs = {k: body[k] for k in _RENDER_FIELDS if k in body}
                     extra = body.get("chat_template_kwargs")
-                    if isinstance(extra, Mapping):
-                        kwargs.update(extra)
-                    text = tok.render_chat(messages, **kwargs)
-                    data = await tok.aencode_bytes(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+                    text = await tok.arender_chat(messages, client_templates=self.tokenizers.client_templates,
+                                                  template_kwargs=extra if isinstance(extra, Mapping) else None, **kwargs)
+                    data = await tok.aencode_bytes(text, add_special_tokens=bool(body.get("add_special_tokens", False)),
+                                                   max_tokens=limit)
                     return Prompt([data], len(data) // 4, text if want_text else "", exact=True)
+                except ClientTemplateRefused as exc:
+                    raise ApiError(exc.status, str(exc), param="chat_template", code=exc.code) from None
                 except (TokenizerError, TypeError, ValueError) as exc:
                     log.debug("model %s: chat not rendered (%s); hashing its text instead", model, exc)
             self._warn_approximate(model, tok)
@@ -335,7 +366,7 @@ class Router:
             texts.append(p)
             if tok is not None:
                 try:
-                    out.append(await tok.aencode_bytes(p, add_special_tokens=add_special))
+                    out.append(await tok.aencode_bytes(p, add_special_tokens=add_special, max_tokens=limit))
                     continue
                 except (TokenizerError, TypeError, ValueError) as exc:
                     log.debug("model %s: prompt not tokenized (%s); hashing its text instead", model, exc)

@@ -551,7 +551,8 @@ class EmulatedReplica:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ReplicaError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
         try:
-            return await self.tokenizer.aencode_chat(body["messages"], **(kwargs or {}), **options)
+            # as template_kwargs: variables that may override the options, never the template
+            return await self.tokenizer.aencode_chat(body["messages"], template_kwargs=kwargs, **options)
         except ChatTemplateError as exc:
             raise ReplicaError(400, str(exc), param="messages") from None
         except TypeError as exc:  # a template kwarg colliding with an option: the client's doing

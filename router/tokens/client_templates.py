@@ -96,13 +96,11 @@ class ClientTemplates:
         self._background: set[asyncio.Future] = set()  # kills and restarts under way (kept referenced)
         self.killed = 0  # workers replaced after a job overran (for tests and operators)
 
-    async def start(self) -> None:
-        """Start every worker now rather than on the first job."""
+    def start(self) -> None:
+        """Start every worker now, in the background, rather than on the first job."""
         slots = [self._slots.get_nowait() for _ in range(self._slots.qsize())]
-        slots = [slot or asyncio.ensure_future(self._spawn()) for slot in slots]
         for slot in slots:
-            self._slots.put_nowait(slot)
-        await asyncio.gather(*slots, return_exceptions=True)
+            self._slots.put_nowait(slot or self._in_background(self._spawn()))
 
     async def render(self, job: RenderJob) -> str:
         """The rendered prompt; ChatTemplateError if the template fails, ClientTemplateRefused

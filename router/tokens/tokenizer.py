@@ -365,13 +365,14 @@ class Tokenizer:
 
     def _pieces(self, text: str, add_special_tokens: bool, max_tokens: int | None = None, use_cache: bool = True) -> list[Sequence[int]]:
         """The ids of ``text`` as a list of arrays, on this thread."""
-        if max_tokens is not None:
-            self._check_length(text, max_tokens)
-        plan = self._plan(text, add_special_tokens, use_cache)
-        pieces = self._join(plan, self._encode_new(plan))
-        if len(text) >= TRIM_AFTER_CHARS:
-            release_free_memory()
-        return pieces
+        try:
+            if max_tokens is not None:
+                self._check_length(text, max_tokens)
+            plan = self._plan(text, add_special_tokens, use_cache)
+            return self._join(plan, self._encode_new(plan))
+        finally:
+            if len(text) >= TRIM_AFTER_CHARS:
+                release_free_memory()
 
     async def _apieces(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[Sequence[int]]:
         """:meth:`_pieces`, keeping the event loop free: a long text is cut and looked up on the
