@@ -89,7 +89,10 @@ async def test_enabled_client_template_renders_in_a_worker_within_budget():
                 await sampler
         assert err.value.body["code"] == "chat_template_timeout" and err.value.body["param"] == "chat_template"
         assert budget <= elapsed < budget + 5  # generous: a loaded machine
-        assert len(latencies) >= 10 and max(latencies) < 0.25, f"/health took up to {max(latencies) * 1000:.0f} ms"
+        # before, /health stalled for the whole render (9-17 s); bounds generous for a loaded machine
+        latencies.sort()
+        assert len(latencies) >= 10, latencies
+        assert latencies[len(latencies) // 2] < 0.05 and latencies[-1] < 1.0, f"/health took up to {latencies[-1] * 1000:.0f} ms"
 
         # over the output budget: refused as such; the worker was replaced and still serves
         with pytest.raises(openai.BadRequestError) as err:

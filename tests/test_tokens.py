@@ -469,3 +469,27 @@ def test_aencode_bytes_equals_the_bytes_of_aencode(pieces, special):
 
     data, ids = asyncio.run(both())
     assert data == token_bytes(ids)
+
+
+# ------------------------------------------------------------------ length limits and long texts
+
+
+def test_a_long_text_encodes_exactly_off_the_loop_and_a_limit_refuses_it(reference):
+    from router.blocks import token_bytes
+    from router.tokens import PromptTooLong
+
+    tok = Tokenizer.from_dir(ASSET)
+    text = ("Hello world<|im_end|>\n" + " ".join(tiny_model.training_corpus(5, 40))) * 4  # > 64 K chars: the pool path
+    assert len(text) > 65_536
+    expected = reference.encode(text, add_special_tokens=False).ids
+
+    async def run():
+        assert await tok.aencode_bytes(text, max_tokens=len(expected)) == token_bytes(expected)
+        with pytest.raises(PromptTooLong, match=f"is {len(expected)} tokens long, more than the limit of {len(expected) - 1}"):
+            await tok.aencode_bytes(text, max_tokens=len(expected) - 1)
+        # far over the limit: refused from a prefix, "at least" that prefix's tokens
+        with pytest.raises(PromptTooLong, match="at least") as err:
+            await tok.aencode_bytes(text, max_tokens=1000)
+        assert 1000 < err.value.tokens < len(expected)
+
+    asyncio.run(run())

@@ -364,7 +364,10 @@ def _render_bounded(template: jinja2.Template, context: dict[str, Any], max_char
 
 
 def chat_size(messages: Sequence[Any]) -> int:
-    """About what rendering these messages costs, in characters (a message counts as 200)."""
+    """About what rendering these messages costs, in characters (a message counts as 200); a
+    long list is not walked (that walk would cost what it measures)."""
+    if len(messages) > 256:
+        return 200 * len(messages)
     size = 0
     for message in messages:
         size += 200

@@ -121,6 +121,9 @@ class ClientTemplates:
         try:
             # a worker's start is not timed: the job's budget starts with the job
             worker = await (slot or self._spawn())
+            if not worker.alive:  # died while idle (the OOM killer, an operator): start another
+                self._all.discard(worker)
+                worker = await self._spawn()
             reply = await self._timed_call(worker, payload)
             healthy = reply.get("code") != "chat_template_memory_exceeded"  # that worker has exited
         except OSError as exc:

@@ -48,9 +48,18 @@ from tokenizers import Tokenizer as HfTokenizer  # noqa: E402
 from tokenizers.processors import TemplateProcessing  # noqa: E402
 
 from ..blocks import token_bytes  # noqa: E402
-from .chat_template import ContentFormat, RenderJob, chat_size, pick_named_template, prepare_render, render  # noqa: E402
+from .chat_template import (  # noqa: E402
+    ContentFormat,
+    RenderJob,
+    chat_size,
+    compile_template,
+    detect_content_format,
+    pick_named_template,
+    prepare_render,
+    render,
+)
 from .client_templates import ClientTemplates  # noqa: E402
-from .errors import PromptTooLong, TokenizerLoadError, TokenizerNotFoundError  # noqa: E402
+from .errors import ChatTemplateError, PromptTooLong, TokenizerLoadError, TokenizerNotFoundError  # noqa: E402
 from .memory import release_free_memory  # noqa: E402
 from .segments import (  # noqa: E402
     DEFAULT_CACHE_MAX_CHARS,
@@ -175,6 +184,7 @@ class Tokenizer:
 
         self._prefix, self._suffix = self._special_wrapping()
         self._chat_template = chat_template
+        self._warm_templates()
         self.content_format = content_format
         self.model_max_length = config.get("model_max_length")
         self.cache = SegmentCache(cache_max_chars, cache_max_entries)
@@ -275,6 +285,20 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return pick_named_template(self._chat_template, None)
+
+    def _warm_templates(self) -> None:
+        """Compile the model's templates now: the first request would otherwise compile on the
+        event loop (~100 ms for a typical template).  One that does not compile fails as before,
+        on the requests that use it."""
+        named = self._chat_template if isinstance(self._chat_template, list) else [{"template": self._chat_template}]
+        for entry in named:
+            source = entry.get("template") if isinstance(entry, Mapping) else None
+            if isinstance(source, str) and source:
+                try:
+                    compile_template(source)
+                    detect_content_format(source)
+                except ChatTemplateError as exc:
+                    log.warning("tokenizer %s: its chat template does not compile: %s", self.name or "?", exc)
 
     def prepare_chat(
         self,
