@@ -99,6 +99,13 @@ class _Plan:
     use_cache: bool = True
 
 
+def _as_list(pieces: list[Sequence[int]]) -> list[int]:
+    out: list[int] = []
+    for piece in pieces:
+        out.extend(piece)
+    return out
+
+
 def _token_content(value: Any) -> str | None:
     if isinstance(value, Mapping):
         value = value.get("content")
@@ -276,7 +283,7 @@ class Tokenizer:
         sample = [" lead", "x  ", "\n\n", "tail  \n", " café 東京 ", "end"]
         text = "".join(s + split_tokens[i % len(split_tokens)] for i, s in enumerate(sample)) + "  last "
         whole = self._backend.encode(text, add_special_tokens=False).ids
-        if [i for piece in self._pieces(text, False, use_cache=False) for i in piece] != whole:
+        if _as_list(self._pieces(text, False, use_cache=False)) != whole:
             return "self-check: split encoding differs from whole-string encoding"
         return None
 
@@ -431,7 +438,7 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``, equal to ``tokenizer.json``'s whole-string encoding."""
-        return [i for piece in self._pieces(text, add_special_tokens) for i in piece]
+        return _as_list(self._pieces(text, add_special_tokens))
 
     def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt's ids: special tokens added as the engine adds them (BOS if configured)."""
@@ -443,7 +450,7 @@ class Tokenizer:
 
     async def aencode(self, text: str, *, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
         """``encode`` that never blocks the event loop on a long text."""
-        return [i for piece in await self._apieces(text, add_special_tokens, max_tokens) for i in piece]
+        return _as_list(await self._apieces(text, add_special_tokens, max_tokens))
 
     async def aencode_bytes(self, text: str, *, add_special_tokens: bool = False, max_tokens: int | None = None) -> bytes:
         """``aencode``'s ids as uint32 little-endian bytes (what block hashing reads), joined in C
@@ -452,7 +459,7 @@ class Tokenizer:
         pieces = await self._apieces(text, add_special_tokens, max_tokens)
         if U32_NATIVE:
             return b"".join(pieces)  # type: ignore[arg-type]  # arrays of uint32
-        return token_bytes([i for piece in pieces for i in piece])
+        return token_bytes(_as_list(pieces))
 
     async def aencode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return await self.aencode(text, add_special_tokens=add_special_tokens)
