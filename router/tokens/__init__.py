@@ -5,6 +5,7 @@
     client_templates.py clients' own templates, rendered in worker processes under budgets
     template_worker.py  that worker process
     tokenizer.py        Tokenizer: one model's tokenizer + template, one encode path
+    loading.py          a Hugging Face tokenizer directory, read as transformers reads it
     registry.py         which tokenizer each model uses
     memory.py           giving freed heap back to the OS after a huge prompt
     errors.py           the errors

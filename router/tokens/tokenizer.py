@@ -43,9 +43,7 @@ from typing import Any
 # is the parallelism; each call then runs, GIL released, in the thread that made it.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tokenizers import AddedToken  # noqa: E402
 from tokenizers import Tokenizer as HfTokenizer  # noqa: E402
-from tokenizers.processors import TemplateProcessing  # noqa: E402
 
 from ..blocks import token_bytes  # noqa: E402
 from .chat_template import (  # noqa: E402
@@ -59,7 +57,8 @@ from .chat_template import (  # noqa: E402
     render,
 )
 from .client_templates import ClientTemplates  # noqa: E402
-from .errors import ChatTemplateError, PromptTooLong, TokenizerLoadError, TokenizerNotFoundError  # noqa: E402
+from .errors import ChatTemplateError, PromptTooLong  # noqa: E402
+from .loading import add_missing_special_tokens, install_post_processor, read_dir, special_tokens_of  # noqa: E402
 from .memory import release_free_memory  # noqa: E402
 from .segments import (  # noqa: E402
     DEFAULT_CACHE_MAX_CHARS,
@@ -85,7 +84,6 @@ PROBE_MIN_CHARS = 65_536
 # After tokenizing a text this long, free heap goes back to the OS (tokenizers' transient
 # per-byte buffers are ~50x the text, and glibc keeps them otherwise: RSS that never comes back).
 TRIM_AFTER_CHARS = 1_000_000
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 @dataclass
@@ -104,20 +102,6 @@ def _as_list(pieces: list[Sequence[int]]) -> list[int]:
     for piece in pieces:
         out.extend(piece)
     return out
-
-
-def _token_content(value: Any) -> str | None:
-    if isinstance(value, Mapping):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TokenizerLoadError(f"cannot read {path}: {exc}") from exc
-
 
 
 _shared_executor: ThreadPoolExecutor | None = None
@@ -162,18 +146,12 @@ class Tokenizer:
         # transformers disables truncation and padding unless a call asks for them.
         backend.no_truncation()
         backend.no_padding()
-        self.special_tokens: dict[str, Any] = {k: _token_content(config.get(k)) for k in _SPECIAL_TOKEN_KEYS if _token_content(config.get(k))}
-        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
-        if isinstance(extra, Mapping):  # transformers v5 may store named extra tokens
-            extra = list(extra.values())
-        extra_tokens = [c for c in (_token_content(t) for t in extra) if c]
-        if extra_tokens:
-            self.special_tokens["additional_special_tokens"] = extra_tokens
-        self._add_missing_special_tokens(extra_tokens)
+        self.special_tokens, extra_tokens = special_tokens_of(config)
+        add_missing_special_tokens(backend, config, self.special_tokens, extra_tokens)
         split_special = bool(config.get("split_special_tokens", False))
         if split_special:
             backend.encode_special_tokens = True
-        self._install_post_processor()
+        install_post_processor(backend, config, self.special_tokens)
 
         # Added tokens matched on the raw text cut the input (normalized ones are matched later,
         # inside each piece, by tokenizers itself).
@@ -202,70 +180,11 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str], *, chat_template: str | os.PathLike[str] | None = None, **kwargs: Any) -> Tokenizer:
-        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (and a chat template file) from a directory.
-
-        The chat template comes from, in order: the ``chat_template`` argument (template text, or a
-        Path to a file, like vLLM's ``--chat-template``), ``chat_template.jinja``, a file named
-        ``chat_template``, ``chat_template.json``, ``tokenizer_config.json``.
-        """
-        root = Path(path)
-        if not root.is_dir():
-            raise TokenizerNotFoundError(f"tokenizer directory {str(root)!r} does not exist (or is not a directory)")
-        tokenizer_file = root / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            present = ", ".join(sorted(p.name for p in root.iterdir())[:20]) or "nothing"
-            raise TokenizerNotFoundError(f"no tokenizer.json in {str(root)!r} (it holds: {present})")
-        try:
-            backend = HfTokenizer.from_file(str(tokenizer_file))
-        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
-            raise TokenizerLoadError(f"cannot load {tokenizer_file}: {exc}") from exc
-        config_file = root / "tokenizer_config.json"
-        config = _read_json(config_file) if config_file.is_file() else {}
-        template: Any = chat_template
-        if isinstance(template, os.PathLike):
-            try:
-                template = Path(template).read_text(encoding="utf-8")
-            except OSError as exc:
-                raise TokenizerNotFoundError(f"cannot read chat template {str(chat_template)!r}: {exc}") from exc
-        if template is None:
-            for candidate in ("chat_template.jinja", "chat_template"):
-                if (root / candidate).is_file():
-                    template = (root / candidate).read_text(encoding="utf-8")
-                    break
-        if template is None and (root / "chat_template.json").is_file():
-            template = _read_json(root / "chat_template.json").get("chat_template")
-        if template is None:
-            template = config.get("chat_template")
-        kwargs.setdefault("name", root.name)
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (and a chat template file) from a
+        directory; :func:`router.tokens.loading.read_dir` says where the template comes from."""
+        backend, config, template = read_dir(path, chat_template)
+        kwargs.setdefault("name", Path(path).name)
         return cls(backend, config, chat_template=template, **kwargs)
-
-    def _add_missing_special_tokens(self, extra_tokens: list[str]) -> None:
-        """transformers adds the config's special tokens that tokenizer.json lacks; so do we."""
-        present = {t.content for t in self._backend.get_added_tokens_decoder().values()}
-        decoder = self.config.get("added_tokens_decoder") or {}
-        wanted: list[AddedToken] = []
-        for _, spec in sorted(decoder.items(), key=lambda kv: int(kv[0])):
-            if isinstance(spec, Mapping) and spec.get("content") and spec["content"] not in present:
-                wanted.append(AddedToken(spec["content"], single_word=spec.get("single_word", False), lstrip=spec.get("lstrip", False),
-                                         rstrip=spec.get("rstrip", False), normalized=spec.get("normalized", False), special=spec.get("special", True)))
-        named = [v for k, v in self.special_tokens.items() if k != "additional_special_tokens"] + extra_tokens
-        for content in named:
-            if content not in present and all(t.content != content for t in wanted):
-                wanted.append(AddedToken(content, special=True, normalized=False))
-        if wanted:
-            self._backend.add_tokens(wanted)  # keeps each token's own `special` flag
-
-    def _install_post_processor(self) -> None:
-        """transformers rebuilds the post-processor when the config sets add_bos/eos_token explicitly."""
-        if "add_bos_token" not in self.config and "add_eos_token" not in self.config:
-            return
-        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
-        add_bos = bool(self.config.get("add_bos_token")) and bos is not None
-        add_eos = bool(self.config.get("add_eos_token")) and eos is not None
-        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
-        pair = single + (f" {bos}:1" if add_bos else "") + " $B:1" + (f" {eos}:1" if add_eos else "")
-        specials = ([(bos, self._backend.token_to_id(bos))] if add_bos else []) + ([(eos, self._backend.token_to_id(eos))] if add_eos else [])
-        self._backend.post_processor = TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
     def _special_wrapping(self) -> tuple[tuple[int, ...], tuple[int, ...]] | tuple[None, None]:
         """Ids the post-processor puts around a single sequence (e.g. BOS), found by a probe."""
