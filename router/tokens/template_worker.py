@@ -21,7 +21,7 @@ import msgspec
 from .chat_template import ChatTemplateError, OutputTooLarge, RenderJob, render
 
 HEADER = struct.Struct(">I")
-# Address space of the worker: its interpreter and imports take ~300 MB of mappings, the rest is
+# Address space of the worker: its interpreter and imports map ~160 MB, the rest is
 # for one render (16 M characters are up to 64 MB as a str, a few times over while joined).
 ADDRESS_SPACE_BYTES = 2 << 30
 

@@ -342,7 +342,7 @@ class Tokenizer:
 
     def _check_length(self, text: str, max_tokens: int) -> None:
         """PromptTooLong when ``text`` is over ``max_tokens``, found on growing prefixes of it so
-        that a huge prompt costs what ~4x the limit costs, not what its whole length would.
+        that a huge prompt costs what a few times the limit costs, not what its whole length would.
 
         A prefix's ids are the whole text's ids up to the cut, but for the last few tokens at
         the cut: a prefix over the limit by a margin proves the whole is over it.
@@ -352,7 +352,7 @@ class Tokenizer:
             n = len(self._encode_batch([text[:size]], add_special_tokens=False)[0])
             if n > max_tokens * 1.05 + 64:
                 raise PromptTooLong(n, max_tokens, at_least=True)
-            size *= 4
+            size *= 2  # doubling: at most ~2x the work, and the last probe at most ~2x what it needed
         # the whole text is encoded next; its exact count is checked by the caller's limit
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
