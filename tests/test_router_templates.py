@@ -4,6 +4,8 @@ then renders in a worker process within its budgets while the event loop stays f
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import aiohttp
@@ -94,10 +96,19 @@ async def test_enabled_client_template_renders_in_a_worker_within_budget():
         assert len(latencies) >= 10, latencies
         assert latencies[len(latencies) // 2] < 0.05 and latencies[-1] < 1.0, f"/health took up to {latencies[-1] * 1000:.0f} ms"
 
-        # over the output budget: refused as such; the worker was replaced and still serves
+        # over the output budget: refused as such
         with pytest.raises(openai.BadRequestError) as err:
             await _chat(client, chat_template="{% for i in range(50000) %}{{ 'xxxxxxxxxx' }}{% endfor %}")
         assert err.value.body["code"] == "chat_template_output_too_large"
+        # a worker that dies while idle (the OOM killer) is replaced for the next request
+        (pid,) = app.tokenizers.client_templates.worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.2)
         before = total(await scrape(app.url), "kvroute_prompt_tokens_total")
         answer = await _chat(client, chat_template=tiny_model.CHAT_TEMPLATE)
         assert await _routed_prompt_tokens(app, before) == answer.usage.prompt_tokens
+        pids = app.tokenizers.client_templates.worker_pids()
+        assert pids and pid not in pids
+    for pid in pids:  # the router stopped its workers
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -143,6 +143,10 @@ class ClientTemplates:
             raise ClientTemplateRefused(reply["refused"], reply.get("code", "chat_template_refused"))
         raise ChatTemplateError(reply.get("error", "chat template failed"))
 
+    def worker_pids(self) -> list[int]:
+        """The worker processes started and not yet killed."""
+        return sorted(w.proc.pid for w in self._all if w.alive)
+
     def _in_background(self, coro: Any) -> asyncio.Future:
         future = asyncio.ensure_future(coro)
         self._background.add(future)
