@@ -482,14 +482,41 @@ def test_a_long_text_encodes_exactly_off_the_loop_and_a_limit_refuses_it(referen
     text = ("Hello world<|im_end|>\n" + " ".join(tiny_model.training_corpus(5, 40))) * 4  # > 64 K chars: the pool path
     assert len(text) > 65_536
     expected = reference.encode(text, add_special_tokens=False).ids
+    # one piece of 300 K characters (no special token to cut at): encoded in verified chunks
+    long_piece = " ".join(tiny_model.training_corpus(6, 600))
+    for special in SPECIALS:
+        long_piece = long_piece.replace(special, "")
+    long_piece = long_piece[:300_000]
+    assert len(long_piece) == 300_000
+    assert len(long_piece) == 300_000
+    long_expected = reference.encode(long_piece, add_special_tokens=False).ids
 
     async def run():
         assert await tok.aencode_bytes(text, max_tokens=len(expected)) == token_bytes(expected)
         with pytest.raises(PromptTooLong, match=f"is {len(expected)} tokens long, more than the limit of {len(expected) - 1}"):
             await tok.aencode_bytes(text, max_tokens=len(expected) - 1)
-        # far over the limit: refused from a prefix, "at least" that prefix's tokens
+        # far over the limit: refused after the first chunks, "at least" what they held
         with pytest.raises(PromptTooLong, match="at least") as err:
-            await tok.aencode_bytes(text, max_tokens=1000)
-        assert 1000 < err.value.tokens < len(expected)
+            await tok.aencode_bytes(long_piece, max_tokens=1000)
+        assert 1000 < err.value.tokens < len(long_expected)
+        assert await tok.aencode_bytes(long_piece) == token_bytes(long_expected)
 
     asyncio.run(run())
+
+
+LONG_TEXTS = {
+    "prose and code": " ".join(tiny_model.training_corpus(11, 60))[:20_000],
+    "whitespace runs": ("word " + " " * 700 + "x\n\n\n") * 25,
+    "no spaces (CJK)": "東京の天気は晴れです。" * 2000,
+    "one long word": "a" * 9000 + "b" * 9000,
+    "mixed": "".join(["  ", "\n", "\t", "é", "東", "ab", "1234", "'s", " the", "\n\n  "][(i * 7919) % 10] for i in range(8000)),
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_TEXTS))
+def test_chunked_encoding_equals_whole_string_encoding(reference, name):
+    from router.tokens.long_text import encode_long
+
+    text = LONG_TEXTS[name]
+    got = encode_long(lambda texts: reference.encode_batch(texts, add_special_tokens=False), text, chunk_chars=2000)
+    assert list(got) == reference.encode(text, add_special_tokens=False).ids

@@ -59,6 +59,7 @@ from .chat_template import (  # noqa: E402
 from .client_templates import ClientTemplates  # noqa: E402
 from .errors import ChatTemplateError, PromptTooLong  # noqa: E402
 from .loading import add_missing_special_tokens, install_post_processor, read_dir, special_tokens_of  # noqa: E402
+from .long_text import encode_long, is_long  # noqa: E402
 from .memory import release_free_memory  # noqa: E402
 from .segments import (  # noqa: E402
     DEFAULT_CACHE_MAX_CHARS,
@@ -296,11 +297,22 @@ class Tokenizer:
                     parts.append(ids)
         return _Plan(parts, list(missing), wrap=add_special_tokens, use_cache=use_cache)
 
-    def _encode_new(self, plan: _Plan) -> list[Sequence[int]]:
-        """The ids of the plan's new segments (the batch encoder: it releases the GIL)."""
+    def _encode_new(self, plan: _Plan, max_tokens: int | None = None) -> list[Sequence[int]]:
+        """The ids of the plan's new segments (the batch encoder: it releases the GIL); a very
+        long one in chunks, stopping past ``max_tokens`` (see long_text.py)."""
         if not plan.missing:
             return []
-        return [ids_array(e.ids) for e in self._encode_batch(plan.missing, add_special_tokens=plan.whole)]
+        if plan.whole:
+            return [ids_array(e.ids) for e in self._encode_batch(plan.missing, add_special_tokens=True)]
+        short = [seg for seg in plan.missing if not is_long(seg)]
+        ids_of = dict(zip(short, (ids_array(e.ids) for e in self._encode_plain(short)))) if short else {}
+        for seg in plan.missing:
+            if seg not in ids_of:
+                ids_of[seg] = encode_long(self._encode_plain, seg, max_tokens)
+        return [ids_of[seg] for seg in plan.missing]
+
+    def _encode_plain(self, texts: list[str]) -> Sequence[Any]:
+        return self._encode_batch(texts, add_special_tokens=False)
 
     def _join(self, plan: _Plan, encoded: list[Sequence[int]]) -> list[Sequence[int]]:
         if plan.whole:
@@ -316,10 +328,10 @@ class Tokenizer:
     def _pieces(self, text: str, add_special_tokens: bool, max_tokens: int | None = None, use_cache: bool = True) -> list[Sequence[int]]:
         """The ids of ``text`` as a list of arrays, on this thread."""
         try:
-            if max_tokens is not None:
-                self._check_length(text, max_tokens)
+            if max_tokens is not None and not self.segmented:
+                self._check_length(text, max_tokens)  # its seams rarely verify: no chunks to count on
             plan = self._plan(text, add_special_tokens, use_cache)
-            return self._join(plan, self._encode_new(plan))
+            return self._join(plan, self._encode_new(plan, max_tokens))
         finally:
             if len(text) >= TRIM_AFTER_CHARS:
                 release_free_memory()
