@@ -82,8 +82,8 @@ PLAN_INLINE_MAX_CHARS = 65_536
 RENDER_INLINE_MAX_CHARS = 65_536
 # Length checks tokenize prefixes of at least this many characters (smaller texts are just encoded).
 PROBE_MIN_CHARS = 65_536
-# After tokenizing a text this long, free heap goes back to the OS (tokenizers' transient
-# per-byte buffers are ~50x the text, and glibc keeps them otherwise: RSS that never comes back).
+# After tokenizing a text this long, free heap goes back to the OS (tokenizers' transient buffers,
+# ~100 bytes a character per chunk, stay in glibc's arenas otherwise: RSS that never comes back).
 TRIM_AFTER_CHARS = 1_000_000
 
 
