@@ -159,6 +159,7 @@ class ClientTemplates:
                 return await worker.call(payload)
         except TimeoutError:
             self.killed += 1
+            log.warning("a client chat template ran past its %g s budget: its worker is killed and replaced", self.timeout_s)
             raise ClientTemplateRefused(
                 f"the chat template did not finish rendering within {self.timeout_s:g} s, this router's budget",
                 "chat_template_timeout") from None
