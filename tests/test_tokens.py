@@ -520,3 +520,17 @@ def test_chunked_encoding_equals_whole_string_encoding(reference, name):
     text = LONG_TEXTS[name]
     got = encode_long(lambda texts: reference.encode_batch(texts, add_special_tokens=False), text, chunk_chars=2000)
     assert list(got) == reference.encode(text, add_special_tokens=False).ids
+
+
+async def test_a_large_chat_renders_and_tokenizes_on_the_pool(reference):
+    """The event loop only dispatches: a chat of many turns is rendered on the pool as well."""
+    pool = CountingExecutor()
+    try:
+        tok = Tokenizer.from_dir(ASSET, executor=pool)
+        chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "words and more words " * 10}
+                for i in range(400)]
+        ids = await tok.aencode_chat(chat)
+        assert ids == reference.encode(tok.render_chat(chat), add_special_tokens=False).ids
+        assert pool.submitted == 2  # the render, then the long text's split + encode
+    finally:
+        pool.shutdown()
