@@ -40,7 +40,7 @@ installs vLLM), answer one short warm-up request each, and have their prefix cac
 without a restart per pass (~1 min each), and the same warm processes for both policies, so the
 second pass does not gain from the first one's process warm-up.  About 3 minutes on two cores.
 
-`kvroute demo --serve [--port P]` keeps one fleet (cost_model, model name ``demo``) running
+`kvroute demo --serve [--port P] [--policy P]` keeps one fleet (cost_model unless told, model ``demo``) running
 until SIGINT/SIGTERM: stdout's first line is the router's base URL, printed once its ``/ready``
 answers 200; then where its metrics and the replicas are.
 """
@@ -142,6 +142,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--serve", action="store_true", help="keep a cost_model fleet running until interrupted")
     p.add_argument("--port", type=int, default=0, help="--serve: the router's port (default: a free one)")
+    p.add_argument("--policy", default="cost_model", help="--serve: the router's policy (default cost_model)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="--serve, emulated replicas: their context length (default min(32768, KV capacity)); "
+                   "long traces for `kvroute bench replay` need more")
     args = p.parse_args(argv)
     defaults = DEFAULTS[args.engine]
     args.chat = defaults.chat
@@ -523,19 +527,21 @@ async def _compare(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    fleet = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile)
+    options = {"max_model_len": args.max_model_len} if args.max_model_len and args.engine == "emulated" else {}
+    fleet = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile, **options)
     stop = asyncio.Event()
     with signal_handlers({signal.SIGINT: stop.set, signal.SIGTERM: stop.set}):
         return await _serve(args, fleet, stop)
 
 
 async def _serve(args: argparse.Namespace, fleet: Any, stop: asyncio.Event) -> int:
-    async with demo_stack("cost_model", fleet, port=args.port, policy_options=args.policy_options) as stack:
+    options = args.policy_options if args.policy == "cost_model" else {}
+    async with demo_stack(args.policy, fleet, port=args.port, policy_options=options) as stack:
         print(stack.url, flush=True)  # first line: scripts and tests read it
         print(f"metrics: {stack.url}/metrics", flush=True)
         for url in fleet.urls:
             print(f"replica: {url}  (metrics: {url}/metrics)", flush=True)
-        print(f"{fleet.describe()}; router policy cost_model, model {MODEL!r}; Ctrl-C stops", file=sys.stderr, flush=True)
+        print(f"{fleet.describe()}; router policy {args.policy}, model {MODEL!r}; Ctrl-C stops", file=sys.stderr, flush=True)
         await stop.wait()
         print("stopping", file=sys.stderr, flush=True)
     return 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -234,48 +234,54 @@ class Replay:
     async def _send(
         self, session: aiohttp.ClientSession, session_id: str, turn: int, messages: Sequence[dict[str, str]], max_tokens: int
     ) -> tuple[RequestRecord, str]:
-        body = {
-            "model": self.model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        headers = {"Content-Type": "application/json", "X-Session-ID": session_id}
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens}
         record = RequestRecord(session_id, turn, time.perf_counter(), messages=list(messages))
-        parts: list[str] = []
-        try:
-            async with session.post(self.base_url + "/v1/chat/completions", data=_encode(body), headers=headers) as resp:
-                if resp.status != 200:
-                    record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                    record.done_at = time.perf_counter()
-                    return record, ""
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if math.isnan(record.ttft_s):
-                        record.ttft_s = time.perf_counter() - record.sent_at
-                    if payload == b"[DONE]":
-                        # Read on to the end of the response, as the OpenAI SDK does: hanging up at
-                        # [DONE] can cut the server's last write (the chunked-encoding terminator).
-                        continue
-                    chunk = _decode_chunk(payload)
-                    if chunk.error is not None:
-                        record.error = f"in-stream error: {chunk.error.get('message')}"
-                        break
-                    for choice in chunk.choices:
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            parts.append(text)
-                    if chunk.usage is not None:
-                        record.prompt_tokens = int(chunk.usage.get("prompt_tokens") or 0)
-                        record.completion_tokens = int(chunk.usage.get("completion_tokens") or 0)
-                        details = chunk.usage.get("prompt_tokens_details") or {}
-                        record.cached_tokens = int(details.get("cached_tokens") or 0)
-            if record.error is None and record.prompt_tokens == 0:
-                record.error = "the stream ended without a usage chunk"
-        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
-            record.error = f"{type(exc).__name__}: {exc}"
-        record.done_at = time.perf_counter()
-        return record, "".join(parts)
+        reply = await stream_chat(session, self.base_url, body, {"X-Session-ID": session_id}, record)
+        return record, reply
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession, base_url: str, body: dict, headers: Mapping[str, str], record: RequestRecord
+) -> str:
+    """POST a streaming chat completion (usage requested), filling ``record`` as it goes: TTFT at
+    the first streamed event (from ``record.sent_at``), the usage chunk's token counts, any error.
+    Returns the reply's text."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    parts: list[str] = []
+    try:
+        async with session.post(
+            base_url + "/v1/chat/completions", data=_encode(body), headers={"Content-Type": "application/json", **headers}
+        ) as resp:
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                record.done_at = time.perf_counter()
+                return ""
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if math.isnan(record.ttft_s):
+                    record.ttft_s = time.perf_counter() - record.sent_at
+                if payload == b"[DONE]":
+                    # Read on to the end of the response, as the OpenAI SDK does: hanging up at
+                    # [DONE] can cut the server's last write (the chunked-encoding terminator).
+                    continue
+                chunk = _decode_chunk(payload)
+                if chunk.error is not None:
+                    record.error = f"in-stream error: {chunk.error.get('message')}"
+                    break
+                for choice in chunk.choices:
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        parts.append(text)
+                if chunk.usage is not None:
+                    record.prompt_tokens = int(chunk.usage.get("prompt_tokens") or 0)
+                    record.completion_tokens = int(chunk.usage.get("completion_tokens") or 0)
+                    details = chunk.usage.get("prompt_tokens_details") or {}
+                    record.cached_tokens = int(details.get("cached_tokens") or 0)
+        if record.error is None and record.prompt_tokens == 0:
+            record.error = "the stream ended without a usage chunk"
+    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.done_at = time.perf_counter()
+    return "".join(parts)

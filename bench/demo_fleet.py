@@ -66,6 +66,7 @@ class EmulatedFleet:
         time_scale: float,
         profile: str = "default",
         tokenizer_dir: Path = TOKENIZER_DIR,
+        max_model_len: int | None = None,  # None: the replica's default (min(32768, KV capacity))
     ):
         if count < 1:
             raise ValueError("a fleet needs at least one replica")
@@ -74,6 +75,7 @@ class EmulatedFleet:
         self.time_scale = time_scale
         self.profile = profile
         self.tokenizer_dir = tokenizer_dir
+        self.max_model_len = max_model_len
         self.urls: list[str] = []
         self._replicas: list[Any] = []
 
@@ -89,7 +91,7 @@ class EmulatedFleet:
         tokenizer = Tokenizer.from_dir(self.tokenizer_dir)
         config = ReplicaConfig(
             model=self.model, host="127.0.0.1", port=0, tokenizer_dir=str(self.tokenizer_dir),
-            profile=self.profile, time_scale=self.time_scale,
+            profile=self.profile, time_scale=self.time_scale, max_model_len=self.max_model_len,
         )
         try:
             for _ in range(self.count):
@@ -122,9 +124,10 @@ def fleet_factory(engine: str) -> FleetFactory:
     raise EngineUnavailable(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
 
 
-def make_fleet(engine: str, count: int, *, model: str, time_scale: float, profile: str = "default") -> ReplicaFleet:
-    """A fleet, not started yet (building one starts nothing: ``start()`` does)."""
-    return fleet_factory(engine)(count, model=model, time_scale=time_scale, profile=profile)
+def make_fleet(engine: str, count: int, *, model: str, time_scale: float, profile: str = "default", **engine_options: Any) -> ReplicaFleet:
+    """A fleet, not started yet (building one starts nothing: ``start()`` does).  ``engine_options``
+    go to that engine's factory only (emulated: ``max_model_len``)."""
+    return fleet_factory(engine)(count, model=model, time_scale=time_scale, profile=profile, **engine_options)
 
 
 def resets_in_place(fleet: ReplicaFleet) -> bool:

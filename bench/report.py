@@ -22,24 +22,26 @@ REUSE_KEYS = ("reuse_available", "reuse_predicted", "reuse_delivered")
 def to_json(policies: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any] | None = None) -> str:
     """`{"policies": {NAME: {...}}, ...extra}` on one line (NaN becomes null: JSON has no NaN)."""
 
-    def clean(v: Any) -> Any:
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        return v
-
-    doc: dict[str, Any] = {"policies": {name: clean(dict(m)) for name, m in policies.items()}}
+    doc: dict[str, Any] = {"policies": {name: json_safe(dict(m)) for name, m in policies.items()}}
     for k, v in (extra or {}).items():
-        doc.setdefault(k, clean(v))
+        doc.setdefault(k, json_safe(v))
     return json.dumps(doc)
 
 
-def _pct(x: float) -> str:
+def json_safe(v: Any) -> Any:
+    """NaN and infinities become null, in nested dicts too (JSON has no NaN)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    return v
+
+
+def pct(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:.1%}"
 
 
-def _secs(x: float) -> str:
+def secs(x: float) -> str:
     if not math.isfinite(x):
         return "-"
     if x < 0.01:
@@ -47,11 +49,11 @@ def _secs(x: float) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def _secs_vs(x: float, limit: float | None) -> str:
+def secs_vs(x: float, limit: float | None) -> str:
     """Seconds, and the multiple of the limit when there is one."""
     if limit is None or not math.isfinite(x) or not limit or not math.isfinite(limit):
-        return _secs(x)
-    return f"{_secs(x)} ({x / limit:.1f}x)"
+        return secs(x)
+    return f"{secs(x)} ({x / limit:.1f}x)"
 
 
 def print_table(
@@ -70,18 +72,18 @@ def print_table(
     for col in ("policy", "requests", "available", "predicted", "delivered", "deliv/avail", "TTFT p50", "TTFT p90", "TTFT p99", "imbalance", "req/s"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     if limit is not None:
-        table.add_row("[i]physical limit[/]", "", "", "", "", "", *(_secs(limit[k]) for k in LIMIT_KEYS), "", "", end_section=True)
+        table.add_row("[i]physical limit[/]", "", "", "", "", "", *(secs(limit[k]) for k in LIMIT_KEYS), "", "", end_section=True)
     for name, m in policies.items():
         avail = m["reuse_available"]
         ratio = m["reuse_delivered"] / avail if avail else math.nan
         table.add_row(
             name,
             str(m["requests"]),
-            _pct(avail),
-            _pct(m["reuse_predicted"]),
-            _pct(m["reuse_delivered"]),
-            _pct(ratio),
-            *(_secs_vs(m[k], None if limit is None else limit[k]) for k in LIMIT_KEYS),
+            pct(avail),
+            pct(m["reuse_predicted"]),
+            pct(m["reuse_delivered"]),
+            pct(ratio),
+            *(secs_vs(m[k], None if limit is None else limit[k]) for k in LIMIT_KEYS),
             f"{m['imbalance']:.2f}",
             f"{m['throughput_rps']:.2f}",
         )

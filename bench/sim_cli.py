@@ -58,13 +58,13 @@ def resolve_policies(spec: str) -> list[str]:
     return names
 
 
-def resolve_profile(name: str | None) -> Any:
+def resolve_profile(name: str | None, prog: str = "kvroute sim") -> Any:
     from replica.emulated.profile import DEFAULT_PROFILE, PROFILES
 
     if name is None:
         return DEFAULT_PROFILE
     if name not in PROFILES:
-        raise SystemExit(f"kvroute sim: unknown profile {name!r}; choose from {', '.join(PROFILES)}")
+        raise SystemExit(f"{prog}: unknown profile {name!r}; choose from {', '.join(PROFILES)}")
     return PROFILES[name]
 
 

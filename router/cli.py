@@ -12,6 +12,7 @@ COMMANDS = {
     "router": ("router.app", "main", "run the cache-aware router (OpenAI-compatible proxy)"),
     "replica": ("replica.cli", "main", "run a replica: emulated, or real vLLM through the launcher"),
     "demo": ("bench.demo", "main", "router + emulated (or --engine vllm) replicas on loopback, round_robin vs cost_model"),
+    "bench": ("bench.cli", "main", "benchmarks against a live endpoint: `kvroute bench replay --trace FILE --url URL`"),
 }
 
 
