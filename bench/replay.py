@@ -3,8 +3,8 @@
 A trace row is `{timestamp (ms), input_length, output_length, hash_ids}`, one hash id per
 512-token block of the prompt; equal leading ids are shared prefixes (/work/shared/traces).
 Each row becomes one streaming chat request, sent open loop at its timestamp (divided by
-`--speedup`), whatever the earlier ones are doing; `max_tokens` is its output length (capped by
-`--max-tokens`).
+`--speedup`), whatever the earlier ones are doing (`--start`/`--limit` pick a slice);
+`max_tokens` is its output length (capped by `--max-tokens`).
 
 Prompts are text, sent as chat: every endpoint takes it (kvroute, a peer router that matches
 on text, a single vLLM), and the router under test does its real work (chat template,
@@ -201,7 +201,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trace", required=True, help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids)")
     p.add_argument("--url", required=True, help="the endpoint's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--speedup", type=float, default=1.0, help="divide the trace's timestamps by this (default 1: real time)")
-    p.add_argument("--limit", type=int, default=None, help="replay the first N requests (default: all)")
+    p.add_argument("--start", type=int, default=0, help="skip the trace's first K requests (default 0)")
+    p.add_argument("--limit", type=int, default=None, help="replay N requests (default: all)")
     p.add_argument("--session-header", default=None, metavar="NAME",
                    help="send a session id in this header (e.g. X-Session-ID): the row's first hash id")
     p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
@@ -216,6 +217,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--speedup and --replica-time-scale must be positive")
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be at least 1")
+    if args.start < 0:
+        p.error("--start must not be negative")
     return args
 
 
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     profile = None if args.profile is None else resolve_profile(args.profile, "kvroute bench replay")
-    rows = load_trace(args.trace)[: args.limit]
+    rows = load_trace(args.trace)[args.start :][: args.limit]
     if not rows:
         raise SystemExit(f"kvroute bench replay: no requests in {args.trace}")
     span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000.0 / args.speedup
@@ -269,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         from .report import json_safe
 
-        extra = {"trace": str(args.trace), "url": args.url, "speedup": args.speedup, "session_header": args.session_header}
+        extra = {"trace": str(args.trace), "start": args.start, "url": args.url, "speedup": args.speedup,
+                 "session_header": args.session_header}
         sys.stdout.write(json.dumps(json_safe({**figures, **extra})) + "\n")
     else:
         print_summary(figures, f"kvroute bench replay: {len(rows)} requests, speedup {args.speedup:g}, {args.url}")

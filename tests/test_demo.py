@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import openai
 import pytest
 
@@ -277,3 +278,37 @@ def test_serve_on_a_port_in_use_exits_2_and_leaves_nothing_listening(capsys):
         assert listening_sockets_of_this_process() == during  # the replicas it started are stopped
     assert capsys.readouterr().out == ""  # no URL: nothing to connect to
     assert listening_sockets_of_this_process() == before
+
+
+@pytest.mark.parametrize("engine", ["emulated", "vllm"])
+def test_conversation_workload_is_heavy_tailed_and_fits_the_replicas_context(engine):
+    """`--workload conversation`: deterministic, system prompts of several sizes, long-tailed
+    conversations, minutes between turns (cut at the demo's limit), and the longest prompt
+    (replies counted at twice their max_tokens) within the replicas' context."""
+    from tokenizers import Tokenizer
+
+    from bench.demo_chat import build_conversation_workload
+    from replica.tiny_model import ModelShape
+
+    args = demo.parse_args(["--workload", "conversation", "--engine", engine])
+    cfg = args.chat
+    workload = build_conversation_workload(args.seed, args.sessions, args.session_rate, cfg)
+    assert workload == build_conversation_workload(args.seed, args.sessions, args.session_rate, cfg)
+    tok = Tokenizer.from_file(str(REPO / "tests" / "assets" / "tiny-tokenizer" / "tokenizer.json"))
+    system = [len(tok.encode(text).ids) for text in workload.system_prompts]
+    assert max(system) > 4 * min(system)  # several sizes
+    used = {c.system for c in workload.conversations}
+    assert len(used) >= 3
+    thinks = [t.think_s for c in workload.conversations for t in c.turns[1:]]
+    assert min(thinks) >= cfg.shape.think_s.lo and max(thinks) == cfg.think_max_s and np.median(thinks) > 20
+    sizes = sorted(workload.conversations, key=lambda c: sum(len(t.user_text) for t in c.turns))
+    assert len(sizes[-1].turns) >= 1
+    longest = 0
+    for conv in sizes[-3:]:  # the three with the most text
+        tokens = system[conv.system]
+        for turn in conv.turns:
+            tokens += len(tok.encode(turn.user_text).ids) + 8
+            longest = max(longest, tokens + turn.max_tokens)
+            tokens += 2 * turn.max_tokens
+    context = 32768 if engine == "emulated" else ModelShape().max_position_embeddings
+    assert 0.2 * context < longest < context
