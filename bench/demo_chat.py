@@ -61,7 +61,7 @@ _PUNCTUATION_ARRAY = np.array(PUNCTUATION, dtype=object)
 
 @dataclass(frozen=True)
 class ChatConfig:
-    """Lengths in words (the tiny tokenizer makes about 1.3 tokens of one), times in engine seconds."""
+    """Lengths in words (the tiny tokenizer makes about 2 tokens of one), times in engine seconds."""
 
     system_prompts: int = 4
     system_words: tuple[int, int] = (300, 900)  # uniform range of each shared system prompt

@@ -126,8 +126,6 @@ class Replayer:
             model = args.model or await served_model(session, url)
             per_word = await calibrate(session, url, model)
             words = max(1, round((TRACE_BLOCK_TOKENS - 1) / (per_word or 1.0)))  # -1: the newline
-            # Texts are built before the clock starts: a late send would count as the server's TTFT.
-            texts = [prompt_text(r, words) for r in self.rows]
             records = [RequestRecord(session_key(r), i, math.nan) for i, r in enumerate(self.rows)]
             t_first = self.rows[0]["timestamp"]
             start = time.perf_counter()
@@ -138,7 +136,9 @@ class Replayer:
                 if delay > 0:
                     await asyncio.sleep(delay)
                 out = max(1, int(row["output_length"]))
-                body = {"model": model, "messages": [{"role": "user", "content": texts[i]}],
+                # Built when due (a whole trace's text would not fit in memory), before the clock
+                # of its TTFT starts: block texts are cached, so this takes about a millisecond.
+                body = {"model": model, "messages": [{"role": "user", "content": prompt_text(row, words)}],
                         "max_tokens": min(out, args.max_tokens) if args.max_tokens else out}
                 headers = {args.session_header: records[i].session_id} if args.session_header else {}
                 records[i].sent_at = time.perf_counter()
