@@ -39,6 +39,7 @@ from .config import RouterSettings, load_settings
 from .errors import ApiError, error_middleware, error_response
 from .fleet import Fleet, Replica, ReplicaStatus
 from .index.base import PrefixIndex
+from .index.client import IndexClient
 from .index.memory import MemoryIndex
 from .kvevents import KVEventSubscriber
 from .load import LoadTracker
@@ -130,7 +131,9 @@ class RouterApp:
         self.index = self._given_index or self._make_index()
         self.load = LoadTracker()
         self.metrics = RouterMetrics(self.policy.name, self.policy.reasons, s.max_client_labels)
-        self.fleet = Fleet(s.fleet, self.session, index=self.index)
+        # every index call goes through it: budgets, failure counts, writes behind the answer
+        self.index_client = IndexClient(self.index, metrics=self.metrics.index, timeout_s=s.index_timeout_s)
+        self.fleet = Fleet(s.fleet, self.session, index=self.index_client)
         self.fleet.subscribe(self._on_fleet_event)
         self.metrics.bind_replicas(self._replica_gauges)
         # the engines' own prefix-cache counters, next to the router's delivered figure
@@ -139,7 +142,7 @@ class RouterApp:
         self.router = Router(
             s,
             fleet=self.fleet,
-            index=self.index,
+            index=self.index_client,
             load=self.load,
             policy=self.policy,
             tokenizers=self.tokenizers,
@@ -163,10 +166,11 @@ class RouterApp:
             # BlockRemoved confirm and remove index entries (started first: the fleet's first round
             # already announces replicas as up).
             self.kv_events = KVEventSubscriber(
-                self.index, block_size_for=self.fleet.block_size, registry=self.metrics.registry
+                self.index_client, block_size_for=self.fleet.block_size, registry=self.metrics.registry
             )
             self.fleet.subscribe(self.kv_events.on_fleet_event)
         try:
+            await self.index_client.start()
             if self.kv_events is not None:
                 await self.kv_events.start()
             await self.fleet.start()
@@ -192,7 +196,13 @@ class RouterApp:
         if s.redis_url:
             from .index.redis_index import RedisIndex
 
-            return RedisIndex(s.redis_url, key_prefix=s.redis_key_prefix, predicted_ttl_s=s.predicted_ttl_s)
+            return RedisIndex(
+                s.redis_url,
+                key_prefix=s.redis_key_prefix,
+                predicted_ttl_s=s.predicted_ttl_s,
+                key_ttl_s=s.index_key_ttl_s,
+                timeout_s=5 * s.index_timeout_s,  # the client's budget for writes: lookups have their own
+            )
         return MemoryIndex(predicted_ttl_s=s.predicted_ttl_s)
 
     @property
@@ -234,6 +244,7 @@ class RouterApp:
         if self.kv_events is not None:
             await self.kv_events.stop()
         await self.fleet.stop()
+        await self.index_client.stop()
         await self.session.close()
         await self.upstream.close()
         if self._given_index is None:
@@ -470,11 +481,9 @@ class RouterApp:
     async def _metrics(self, request: web.Request) -> web.Response:
         self._refresh_series()
         for r in self.fleet.replicas():
-            try:
-                async with asyncio.timeout(self.settings.index_timeout_s):
-                    self.metrics.index_entries.labels(r.name).set(await self.index.entry_count(r.name))
-            except Exception:  # noqa: BLE001 - a Redis outage must not break the scrape
-                self.metrics.index_errors.labels("entry_count").inc()
+            count = await self.index_client.entry_count(r.name)  # None: failed, counted
+            if count is not None:
+                self.metrics.index_entries.labels(r.name).set(count)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     # -- admin --------------------------------------------------------------------------------

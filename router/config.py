@@ -100,6 +100,9 @@ class RouterSettings(BaseSettings):
     redis_url: str | None = Field(None, description="Redis URL: shared prefix index (and fleet discovery)")
     redis_key_prefix: str = Field("kvroute", description="prefix of every Redis key the index writes")
     index_timeout_s: float = Field(0.2, gt=0, description="index call budget before routing without it")
+    index_key_ttl_s: float = Field(
+        600.0, gt=0, description="life of a Redis index key nobody writes or refreshes (routers refresh theirs every second)"
+    )
     predicted_ttl_s: float = Field(30.0, gt=0, description="life of a prediction on replicas with KV events")
     kv_events: bool = Field(True, description="follow the KV events of replicas registered with an events endpoint")
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .aio import cancel_and_wait
 from .breaker import BreakerState, CircuitBreaker
 from .index.base import PrefixIndex, ReplicaSpec
+from .index.client import IndexClient, as_client
 from .discovery import (
     DiscoverySource,
     DnsSource,
@@ -144,12 +145,12 @@ class Fleet:
         settings: FleetSettings,
         session: aiohttp.ClientSession,
         *,
-        index: PrefixIndex,
+        index: PrefixIndex | IndexClient,
         redis: aioredis.Redis | None = None,  # else created from settings.redis_url when needed
     ):
         self.settings = settings
         self.session = session
-        self.index = index
+        self.index = as_client(index)
         self._redis = redis  # Redis discovery's client, if the caller has one; else made from settings
         self._sources: list[DiscoverySource] = []
         self._replicas: dict[str, Replica] = {}
@@ -409,7 +410,7 @@ class Fleet:
         await cancel_and_wait(tasks)
         r.healthy = False
         log.info("replica %s left", r.name)
-        await self._index_call(self.index.remove_replica(r.name), r)
+        await self.index.remove_replica(r.name)  # a failure is counted; its keys then expire
         r.indexed_spec = None
         self._notify("left", r)
 
@@ -447,7 +448,7 @@ class Fleet:
         r.running = r.waiting = 0
         log.warning("replica %s is down after %d failed health checks", r.name, r.health_failures)
         # Whatever it cached is gone or unknown once it crashed: drop its index entries.
-        await self._index_call(self.index.remove_replica(r.name), r)
+        await self.index.remove_replica(r.name)  # a failure is counted; its keys then expire
         r.indexed_spec = None
         r.process_start_time = None
         r.models_read_at = None  # read again when it comes back: it may serve something else
@@ -520,7 +521,7 @@ class Fleet:
         if restarted and r.indexed_spec is not None:
             # Restarted between two health checks: its cache is empty, whatever the index says.
             log.warning("replica %s restarted: dropping its index entries", r.name)
-            await self._index_call(self.index.clear_replica(r.name), r)
+            await self.index.clear_replica(r.name)
             self._notify("restarted", r)
         await self._sync_index(r)
 
@@ -540,18 +541,9 @@ class Fleet:
             capacity_blocks=r.capacity_blocks or self.settings.fallback_capacity_blocks,
             publishes_events=bool(r.events_endpoint),
         )
-        if spec != r.indexed_spec and await self._index_call(self.index.add_replica(spec), r):
+        # a failure (counted by the client) leaves indexed_spec behind: the next scrape retries
+        if spec != r.indexed_spec and await self.index.add_replica(spec):
             r.indexed_spec = spec
-
-    @staticmethod
-    async def _index_call(call: Awaitable[None], r: Replica) -> bool:
-        """Index writes may go to Redis: an outage is logged, the fleet keeps its own state."""
-        try:
-            await call
-            return True
-        except (aioredis.RedisError, OSError, TimeoutError) as exc:
-            log.warning("index update for replica %s failed: %s", r.name, exc)
-            return False
 
 
 def _log_task_failure(task: asyncio.Task[None]) -> None:

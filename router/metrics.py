@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .index.metrics import IndexMetrics
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER_CLIENT = "other"
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
@@ -24,8 +26,6 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 # microseconds to tens of milliseconds: the router's own share of a request
 _ADDED_LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_INDEX_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25)
-INDEX_OPS = ("lookup", "record_prediction", "entry_count")
 UPSTREAM_STAGES = ("connect", "first_byte", "mid_stream")
 
 
@@ -132,19 +132,12 @@ class RouterMetrics:
             "kvroute_upstream_failures", "upstream failures by replica and stage", ["replica", "stage"], registry=r
         )
         self.index_entries = Gauge("kvroute_index_entries", "prefix-index entries held per replica", ["replica"], registry=r)
-        self.index_errors = Counter("kvroute_index_errors", "index calls that failed or timed out", ["op"], registry=r)
-        self.index_latency = Histogram(
-            "kvroute_index_latency_seconds", "shared (Redis) index call latency; in-process calls are not timed", ["op"], buckets=_INDEX_BUCKETS, registry=r
-        )
+        self.index = IndexMetrics(r)  # the index client's calls, failures and rebuilds
         # series known from the start
         for reason in reasons:
             self.decisions.labels(policy, reason)
         self.decisions.labels(policy, "failover")
         self.cache_hostile.labels(OTHER_CLIENT)
-        for op in INDEX_OPS:
-            self.index_errors.labels(op)
-        self.lookup_latency = self.index_latency.labels("lookup")
-        self.record_latency = self.index_latency.labels("record_prediction")
         self._models: dict[str, ModelSeries] = {}
         self._replicas: set[tuple[str, str]] = set()
         self._decisions: dict[str, Any] = {}

@@ -25,7 +25,7 @@ import hmac
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
@@ -36,7 +36,7 @@ from .chain_memo import ChainMemo
 from .config import RouterSettings
 from .errors import ApiError
 from .fleet import Fleet, Replica, card_parent
-from .index.base import PrefixIndex
+from .index.client import IndexClient
 from .load import LoadTracker
 from .metrics import RouterMetrics
 from .placement import Placement, snapshot
@@ -156,50 +156,6 @@ class RouteDecision:
     additions: Mapping[str, Any] = field(default_factory=dict)  # body fields routing adds upstream
 
 
-class _IndexCalls:
-    """The index as routing uses it: a lookup bounded by the timeout, predictions not awaited."""
-
-    def __init__(self, index: PrefixIndex, timeout_s: float, metrics: RouterMetrics):
-        self.index = index
-        self.timeout_s = timeout_s
-        self.metrics = metrics
-        self._writes: set[asyncio.Task[None]] = set()
-
-    async def lookup(self, chain: Sequence[int]) -> dict[str, int]:
-        if self.index.in_process:
-            return self.index.lookup_now(chain)
-        started = time.perf_counter()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                matches = await self.index.lookup(chain)
-        except Exception as exc:  # noqa: BLE001 - an index outage degrades routing, never a request
-            self.metrics.index_errors.labels("lookup").inc()
-            log.warning("index lookup failed, routing without it: %r", exc)
-            return {}
-        self.metrics.lookup_latency.observe(time.perf_counter() - started)
-        return matches
-
-    def record_prediction(self, replica: str, chain: Sequence[int]) -> None:
-        if self.index.in_process:
-            self.index.record_prediction_now(replica, chain)
-            return
-        # behind the request, never awaited by it; the write overlaps the upstream request
-        task = asyncio.ensure_future(self._timed_write(self.index.record_prediction(replica, chain)))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _timed_write(self, call: Awaitable[None]) -> None:
-        started = time.perf_counter()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await call
-        except Exception as exc:  # noqa: BLE001 - see lookup
-            self.metrics.index_errors.labels("record_prediction").inc()
-            log.warning("index write failed: %r", exc)
-            return
-        self.metrics.record_latency.observe(time.perf_counter() - started)
-
-
 class Router:
     """Decides where a request goes and learns from how it went; it never calls the proxy.
 
@@ -213,7 +169,7 @@ class Router:
         settings: RouterSettings,
         *,
         fleet: Fleet,
-        index: PrefixIndex,
+        index: IndexClient,
         load: LoadTracker,
         policy: Policy,
         tokenizers: TokenizerRegistry,
@@ -224,7 +180,8 @@ class Router:
         self.fleet = fleet
         self.load = load
         self.policy = policy
-        self.placement = Placement(policy, _IndexCalls(index, settings.index_timeout_s, metrics), load)
+        # the client bounds the lookup by index_timeout_s and writes predictions behind the answer
+        self.placement = Placement(policy, index, load)
         self.tokenizers = tokenizers
         self.reuse = reuse
         self.metrics = metrics

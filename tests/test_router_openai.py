@@ -129,7 +129,7 @@ async def test_health_ready_and_metrics_series_from_first_scrape(router):
     assert sample(first, "kvroute_cache_hostile_prompts_total", client="other") == 0
     assert sample(first, "kvroute_routing_decisions_total", policy="cost_model", reason="cache") == 0
     assert sample(first, "kvroute_router_added_latency_seconds_count") == 0
-    assert sample(first, "kvroute_index_errors_total", op="lookup") == 0
+    assert sample(first, "kvroute_index_errors_total", op="lookup", kind="timeout") == 0
 
 
 async def test_cache_hostile_prompts_counted_per_client(client, router):

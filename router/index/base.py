@@ -25,19 +25,11 @@ class ReplicaSpec:
 
 
 class PrefixIndex(abc.ABC):
-    """One interface, two backends (memory for one router, Redis for several)."""
+    """One interface, two backends (memory for one router, Redis for several).
 
-    # True for a backend in this process: its calls never wait on I/O, so the router calls the
-    # synchronous twins below directly (no timeout, no task per write).
-    in_process: bool = False
-
-    def lookup_now(self, chain: Sequence[int]) -> dict[str, int]:
-        """``lookup`` without awaiting; only backends with ``in_process`` provide it."""
-        raise NotImplementedError
-
-    def record_prediction_now(self, replica: str, chain: Sequence[int]) -> None:
-        """``record_prediction`` without awaiting; only backends with ``in_process`` provide it."""
-        raise NotImplementedError
+    The router calls a backend through ``IndexClient`` (router/index/client.py), which adds
+    timeouts, error counting, writes behind the answer and the rebuild after a Redis restart.
+    """
 
     @abc.abstractmethod
     async def add_replica(self, spec: ReplicaSpec) -> None:
@@ -55,12 +47,18 @@ class PrefixIndex(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def record_prediction(self, replica: str, chain: Sequence[int]) -> None:
-        """The router sent this chain to ``replica``: predict it holds every block."""
+    async def record_prediction(self, replica: str, chain: Sequence[int]) -> bool:
+        """The router sent this chain to ``replica``: predict it holds every block.
+
+        False: the replica is not registered, nothing was written.
+        """
 
     @abc.abstractmethod
-    async def confirm(self, replica: str, hashes: Sequence[int]) -> None:
-        """KV event BlockStored: the replica holds these blocks until told otherwise."""
+    async def confirm(self, replica: str, hashes: Sequence[int]) -> bool:
+        """KV event BlockStored: the replica holds these blocks until told otherwise.
+
+        False: the replica is not registered, nothing was written.
+        """
 
     @abc.abstractmethod
     async def remove(self, replica: str, hashes: Sequence[int]) -> None:
@@ -77,6 +75,12 @@ class PrefixIndex(abc.ABC):
     @abc.abstractmethod
     async def entry_count(self, name: str) -> int:
         """Live entries held for a replica (predicted and confirmed)."""
+
+    async def refresh(self, replicas: Sequence[str], token: str) -> str | None:
+        """A shared store: keep the keys of ``replicas`` alive and return the store's epoch, which
+        is ``token`` if the store had none (new, restarted empty or flushed).  A backend in this
+        process has nothing to lose: None."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

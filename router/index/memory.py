@@ -90,7 +90,8 @@ def _bound(holders: dict[int, int], chain: Sequence[int], head: int) -> int:
 
 
 class MemoryIndex(PrefixIndex):
-    in_process = True
+    """In this process: every call is synchronous underneath, so ``IndexClient`` calls
+    ``lookup_now`` and ``record_prediction_now`` directly (no timeout, no task)."""
 
     def __init__(
         self,
@@ -229,8 +230,9 @@ class MemoryIndex(PrefixIndex):
         return members
 
     # -- writes ---------------------------------------------------------------------------
-    async def record_prediction(self, replica: str, chain: Sequence[int]) -> None:
+    async def record_prediction(self, replica: str, chain: Sequence[int]) -> bool:
         self.record_prediction_now(replica, chain)
+        return replica in self._replicas
 
     def record_prediction_now(self, replica: str, chain: Sequence[int]) -> None:
         rep = self._replicas.get(replica)
@@ -241,12 +243,13 @@ class MemoryIndex(PrefixIndex):
         expiry = now + self.predicted_ttl_s if rep.spec.publishes_events else PINNED
         self._write(rep, chain, expiry)
 
-    async def confirm(self, replica: str, hashes: Sequence[int]) -> None:
+    async def confirm(self, replica: str, hashes: Sequence[int]) -> bool:
         rep = self._replicas.get(replica)
         if rep is None:
-            return
+            return False
         self._expire(rep, self.clock())  # expired predictions must not take capacity
         self._write(rep, hashes, CONFIRMED)
+        return True
 
     async def remove(self, replica: str, hashes: Sequence[int]) -> None:
         rep = self._replicas.get(replica)

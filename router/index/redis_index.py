@@ -11,8 +11,16 @@ Layout.  ``P`` is ``<key_prefix>:{<scheme>}`` (or ``{<scheme>/<shard>}``); a blo
     P:p:<name>    SET   predictions that never expire (the replica publishes no events)
     P:x:<name>    ZSET  hash -> expiry in ms (Redis TIME): predictions that expire
     P:t:<name>    SET   the same members as ``x``
+    P:epoch       STRING a token the first router to find none sets (see ``refresh``)
 
 An entry is in ``l`` and in exactly one of ``c``, ``p``, ``x`` (``t`` mirrors ``x``).
+
+Lifetime.  Every key lives ``key_ttl_s`` (default 10 minutes) past the last write or ``refresh``
+naming it; a live router refreshes the keys of the replicas it knows about every second or so
+(router/index/client.py), so only a fleet of routers that has gone, or a replica no router knows
+any more, lets keys expire.  A Redis restarted empty or flushed has no epoch: the next refresh
+sets a new one, and each router, seeing an epoch other than the one it knew, re-registers its
+replicas (the KV-event streams replay what the replicas still buffer).
 
 Per-replica keys rather than one hash per block: a lookup asks each replica about a whole slice
 of the chain in one command (galloping 32, 128, 512, 1024 blocks) and stops at its first miss,
@@ -46,17 +54,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 
 from router.blocks import HASH_SCHEME
 
 from .base import PrefixIndex, ReplicaSpec
 
-# Shared by the write scripts.  ARGV[1] is the base P, ARGV[2] the replica's name.
-_PRELUDE = r"""
-local P = ARGV[1]
-local L, C = P .. ':l:' .. ARGV[2], P .. ':c:' .. ARGV[2]
-local PIN, X, T = P .. ':p:' .. ARGV[2], P .. ':x:' .. ARGV[2], P .. ':t:' .. ARGV[2]
+# Keys outlive the last write or refresh by this much: a live router refreshes them every second
+# or so, so it only matters once every router sharing the index has gone (or forgot a replica).
+DEFAULT_KEY_TTL_S = 600.0
+DEFAULT_TIMEOUT_S = 1.0  # connect and per-reply timeout of a client made from a URL
+
+# Every script's arguments start with P (the base), the TTL of the keys it writes in ms, then its own.
+_COMMON = r"""
+local P, KEEP = ARGV[1], tonumber(ARGV[2])
 local CHUNK = 1024  -- members per command: unpack() must stay far below Lua's 8000-slot stack
 
 local function now_ms()
@@ -69,6 +82,27 @@ local function members(blob, s, e)
   local out = {}
   for i = s, e do out[#out + 1] = string.sub(blob, (i - 1) * 8 + 1, i * 8) end
   return out
+end
+
+-- a replica's keys: LRU, confirmed, pinned predictions, expiring predictions (ZSET and SET)
+local function replica_keys(name)
+  return P .. ':l:' .. name, P .. ':c:' .. name, P .. ':p:' .. name, P .. ':x:' .. name, P .. ':t:' .. name
+end
+
+-- the keys live KEEP ms from now (PEXPIRE ignores absent keys): nobody refreshing them, they go
+local function keep(keys)
+  for _, key in ipairs(keys) do redis.call('PEXPIRE', key, KEEP) end
+end
+"""
+
+# Shared by the scripts on one replica's entries.  ARGV[3] is the replica's name.
+_PRELUDE = _COMMON + r"""
+local NAME = ARGV[3]
+local L, C, PIN, X, T = replica_keys(NAME)
+
+-- every key this replica's entries use, the registry and the LRU counter, renewed by each write
+local function keep_all()
+  keep({L, C, PIN, X, T, KEYS[1], P .. ':ev', P .. ':seq'})
 end
 
 -- cmd key item... in slices; skipped when the key does not exist
@@ -125,14 +159,12 @@ local function touch_all(blob, n)
 end
 """
 
-_LOOKUP = r"""
-local P, blob = ARGV[1], ARGV[2]
+_LOOKUP = _COMMON + r"""
+local blob = ARGV[3]
 local n = #blob / 8
 if n == 0 then return {} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local all = {}
-for i = 1, n do all[i] = string.sub(blob, (i - 1) * 8 + 1, i * 8) end
+local now = now_ms()
+local all = members(blob, 1, n)
 
 local function is_live(src, answer)
   return answer == 1 or (src.expiring and answer and tonumber(answer) > now)
@@ -179,16 +211,17 @@ end
 local out = {}
 for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
   -- most replicas miss the first block: one cheap check (the LRU holds every entry)
-  if redis.call('ZSCORE', P .. ':l:' .. name, all[1]) then
+  local l, c, pin, x, t = replica_keys(name)
+  if redis.call('ZSCORE', l, all[1]) then
     -- the state sets this replica uses, the biggest first (it answers most blocks)
-    local expiring = {key = P .. ':t:' .. name, cmd = 'SMISMEMBER', size = 'SCARD'}
-    if redis.call('ZCOUNT', P .. ':x:' .. name, '-inf', now) > 0 then
+    local expiring = {key = t, cmd = 'SMISMEMBER', size = 'SCARD'}
+    if redis.call('ZCOUNT', x, '-inf', now) > 0 then
       -- some ran out and no write has purged them yet: read the expiries themselves
-      expiring = {key = P .. ':x:' .. name, cmd = 'ZMSCORE', size = 'ZCARD', expiring = true}
+      expiring = {key = x, cmd = 'ZMSCORE', size = 'ZCARD', expiring = true}
     end
     local sources = {}
-    for _, src in ipairs({{key = P .. ':c:' .. name, cmd = 'SMISMEMBER', size = 'SCARD'},
-                          {key = P .. ':p:' .. name, cmd = 'SMISMEMBER', size = 'SCARD'}, expiring}) do
+    for _, src in ipairs({{key = c, cmd = 'SMISMEMBER', size = 'SCARD'},
+                          {key = pin, cmd = 'SMISMEMBER', size = 'SCARD'}, expiring}) do
       src.count = redis.call(src.size, src.key)
       if src.count > 0 then sources[#sources + 1] = src end
     end
@@ -212,29 +245,32 @@ return out
 """
 
 _ADD_REPLICA = _PRELUDE + r"""
-local cap = tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], ARGV[2], cap)
-redis.call('HSET', P .. ':ev', ARGV[2], ARGV[4])
+local cap = tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], NAME, cap)
+redis.call('HSET', P .. ':ev', NAME, ARGV[5])
 purge(now_ms())
 evict(cap)
+keep_all()
 return 1
 """
 
 _REMOVE_REPLICA = _PRELUDE + r"""
 redis.call('UNLINK', L, C, PIN, X, T)
-redis.call('HDEL', KEYS[1], ARGV[2])
-redis.call('HDEL', P .. ':ev', ARGV[2])
+redis.call('HDEL', KEYS[1], NAME)
+redis.call('HDEL', P .. ':ev', NAME)
 return 1
 """
 
+# Returns 0 when the replica is not registered (Redis lost the registry): nothing is written.
 _RECORD_PREDICTION = _PRELUDE + r"""
-local blob, ttl = ARGV[3], tonumber(ARGV[4])
-local cap = redis.call('HGET', KEYS[1], ARGV[2])
+local blob, ttl = ARGV[4], tonumber(ARGV[5])
+local cap = redis.call('HGET', KEYS[1], NAME)
 local n = #blob / 8
-if not cap or n == 0 then return 0 end
+if not cap then return 0 end
+if n == 0 then return 1 end
 local now = now_ms()
 purge(now)
-local expiring = redis.call('HGET', P .. ':ev', ARGV[2]) == '1'
+local expiring = redis.call('HGET', P .. ':ev', NAME) == '1'
 local has_confirmed = redis.call('EXISTS', C) == 1
 -- a confirmed entry stays confirmed; anything else becomes (or is renewed as) a prediction
 for s = 1, n, CHUNK do
@@ -266,14 +302,16 @@ for s = 1, n, CHUNK do
 end
 touch_all(blob, n)
 evict(tonumber(cap))
+keep_all()  -- last: the keys exist now
 return 1
 """
 
 _CONFIRM = _PRELUDE + r"""
-local blob = ARGV[3]
-local cap = redis.call('HGET', KEYS[1], ARGV[2])
+local blob = ARGV[4]
+local cap = redis.call('HGET', KEYS[1], NAME)
 local n = #blob / 8
-if not cap or n == 0 then return 0 end
+if not cap then return 0 end
+if n == 0 then return 1 end
 purge(now_ms())
 for s = 1, n, CHUNK do
   local chunk = members(blob, s, math.min(n, s + CHUNK - 1))
@@ -284,11 +322,12 @@ for s = 1, n, CHUNK do
 end
 touch_all(blob, n)
 evict(tonumber(cap))
+keep_all()  -- last: the keys exist now
 return 1
 """
 
 _REMOVE = _PRELUDE + r"""
-local blob = ARGV[3]
+local blob = ARGV[4]
 local gone = members(blob, 1, #blob / 8)
 in_chunks('ZREM', L, gone)
 unstate(gone)
@@ -310,6 +349,20 @@ _ENTRY_COUNT = _PRELUDE + r"""
 return redis.call('ZCARD', L) - redis.call('ZCOUNT', X, '-inf', now_ms())
 """
 
+# The store's epoch: a token set when the store has none (a new, restarted or flushed Redis),
+# returned as found; every key of the named replicas, the registry and the epoch live KEEP ms more.
+_REFRESH = _COMMON + r"""
+local E = P .. ':epoch'
+local epoch = redis.call('GET', E)
+if not epoch then
+  epoch = ARGV[3]
+  redis.call('SET', E, epoch)
+end
+keep({E, KEYS[1], P .. ':ev', P .. ':seq'})
+for i = 4, #ARGV do keep({replica_keys(ARGV[i])}) end
+return epoch
+"""
+
 
 def pack_chain(hashes: Sequence[int]) -> bytes:
     """Unsigned 64-bit hashes as one string of 8-byte little-endian members."""
@@ -323,8 +376,11 @@ def _text(value: bytes | str) -> str:
 class RedisIndex(PrefixIndex):
     """The prefix index in Redis: every call is one EVALSHA round trip.
 
-    ``url_or_client``: a Redis URL (the index owns and closes that client) or a ``redis.asyncio``
-    client (left open).  Indexes with the same ``key_prefix`` and ``shard`` share everything.
+    ``url_or_client``: a Redis URL (the index owns and closes that client, with ``timeout_s`` to
+    connect and per reply, and no retries: the caller decides what a failure means) or a
+    ``redis.asyncio`` client (left open).  Indexes with the same ``key_prefix`` and ``shard``
+    share everything.  Every key written lives ``key_ttl_s`` past the last write or ``refresh``
+    naming it, so a fleet of routers that has gone leaves nothing behind for good.
     """
 
     def __init__(
@@ -334,16 +390,21 @@ class RedisIndex(PrefixIndex):
         key_prefix: str = "kvroute",
         predicted_ttl_s: float = 30.0,
         shard: str = "",
+        key_ttl_s: float = DEFAULT_KEY_TTL_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         if any(c in key_prefix + shard for c in "{}"):
             raise ValueError("key_prefix and shard must not contain '{' or '}' (the hash tag is ours)")
         if isinstance(url_or_client, str):
-            self.client = aioredis.Redis.from_url(url_or_client)
+            self.client = aioredis.Redis.from_url(
+                url_or_client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+            )
             self._owns_client = True
         else:
             self.client = url_or_client
             self._owns_client = False
         self.predicted_ttl_s = predicted_ttl_s
+        self._keep_ms = round(key_ttl_s * 1000)
         tag = HASH_SCHEME if not shard else f"{HASH_SCHEME}/{shard}"
         self.base = f"{key_prefix}:{{{tag}}}"
         # Declared key of every script: it carries the hash tag, so Cluster routes by it.
@@ -358,6 +419,7 @@ class RedisIndex(PrefixIndex):
         self._clear_replica = register(_CLEAR_REPLICA)
         self._drop_confirmed = register(_DROP_CONFIRMED)
         self._entry_count = register(_ENTRY_COUNT)
+        self._refresh = register(_REFRESH)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisIndex:
@@ -368,7 +430,7 @@ class RedisIndex(PrefixIndex):
             await self.client.aclose()
 
     async def _run(self, script: AsyncScript, *args: str | int | bytes) -> Any:
-        return await script(keys=[self._registry_key], args=[self.base, *args])
+        return await script(keys=[self._registry_key], args=[self.base, self._keep_ms, *args])
 
     # -- replicas -------------------------------------------------------------------------
     async def add_replica(self, spec: ReplicaSpec) -> None:
@@ -395,6 +457,9 @@ class RedisIndex(PrefixIndex):
     async def entry_count(self, name: str) -> int:
         return int(await self._run(self._entry_count, name))
 
+    async def refresh(self, replicas: Sequence[str], token: str) -> str:
+        return _text(await self._run(self._refresh, token, *replicas))
+
     # -- lookups --------------------------------------------------------------------------
     async def lookup(self, chain: Sequence[int]) -> dict[str, int]:
         if not chain:
@@ -403,14 +468,16 @@ class RedisIndex(PrefixIndex):
         return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     # -- writes ---------------------------------------------------------------------------
-    async def record_prediction(self, replica: str, chain: Sequence[int]) -> None:
-        if chain:
-            ttl_ms = round(self.predicted_ttl_s * 1000)
-            await self._run(self._record_prediction, replica, pack_chain(chain), ttl_ms)
+    async def record_prediction(self, replica: str, chain: Sequence[int]) -> bool:
+        if not chain:
+            return True
+        ttl_ms = round(self.predicted_ttl_s * 1000)
+        return bool(await self._run(self._record_prediction, replica, pack_chain(chain), ttl_ms))
 
-    async def confirm(self, replica: str, hashes: Sequence[int]) -> None:
-        if hashes:
-            await self._run(self._confirm, replica, pack_chain(hashes))
+    async def confirm(self, replica: str, hashes: Sequence[int]) -> bool:
+        if not hashes:
+            return True
+        return bool(await self._run(self._confirm, replica, pack_chain(hashes)))
 
     async def remove(self, replica: str, hashes: Sequence[int]) -> None:
         if hashes:

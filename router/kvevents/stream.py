@@ -43,10 +43,9 @@ from typing import Literal
 import xxhash
 import zmq
 import zmq.asyncio
-from redis.exceptions import RedisError
 from zmq.utils.monitor import parse_monitor_message
 
-from router.index.base import PrefixIndex
+from router.index.client import IndexClient
 
 from .metrics import KVEventMetrics
 from .sequence import BatchSequence
@@ -55,9 +54,8 @@ from .wire import END_SEQ, AllBlocksCleared, BatchDecoder, BlockRemoved, BlockSt
 
 log = logging.getLogger("kvroute.kvevents")
 
-INDEX_ERRORS = (RedisError, OSError, TimeoutError)
 RCV_HWM = 100_000  # live batches ZMQ may queue while a replay or a slow index holds us up
-INDEX_RETRY_S = 1.0
+INDEX_RETRY_S = 1.0  # also the longest poll: a resync the index client asks for waits at most this
 CRASH_BACKOFF_S = 1.0
 _digest = xxhash.xxh3_64_intdigest
 
@@ -119,7 +117,7 @@ class ReplicaStream:
         model: str,
         capacity_blocks: int,
         bind: bool,
-        index: PrefixIndex,
+        index: IndexClient,
         block_size_for: Callable[[str], int],
         metrics: KVEventMetrics,
         context: zmq.asyncio.Context,
@@ -216,11 +214,16 @@ class ReplicaStream:
             self._close()
 
     def _poll_timeout_ms(self) -> int:
-        """Until the next timed duty (an index retry, a check), or forever (-1)."""
-        waits = [] if self.index_ok else [INDEX_RETRY_S]
+        """Until the next timed duty (a check), at most INDEX_RETRY_S (an index retry, a resync)."""
+        wait = INDEX_RETRY_S
         if self._check_at is not None:
-            waits.append(max(0.0, self._check_at - time.monotonic()))
-        return int(min(waits) * 1000) + 1 if waits else -1
+            wait = min(wait, max(0.0, self._check_at - time.monotonic()))
+        return int(wait * 1000) + 1
+
+    def request_resync(self) -> None:
+        """The index lost what this stream wrote (Redis restarted empty): rebuild it from history
+        at the next turn of the loop, as after an index failure."""
+        self.index_ok = False
 
     def _open(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -516,18 +519,20 @@ class ReplicaStream:
         if not self.index_ok:
             self._metrics.skip("index_unavailable", batches)  # the resync replays what it can
             return
-        try:
-            for kind, hashes in ops:
-                if kind == "confirm":
-                    await self.index.confirm(self.name, hashes)
-                elif kind == "remove":
-                    await self.index.remove(self.name, hashes)
-                elif kind == "clear":
-                    await self.index.clear_replica(self.name)
-                else:
-                    await self.index.drop_confirmed(self.name)
-        except INDEX_ERRORS as exc:
-            log.warning("replica %s: index write failed (%r); resyncing once it answers", self.name, exc)
+        ok = True
+        for kind, hashes in ops:
+            if kind == "confirm":
+                ok = await self.index.confirm(self.name, hashes)
+            elif kind == "remove":
+                ok = await self.index.remove(self.name, hashes)
+            elif kind == "clear":
+                ok = await self.index.clear_replica(self.name)
+            else:
+                ok = await self.index.drop_confirmed(self.name)
+            if not ok:
+                break
+        if not ok:  # counted by the index client
+            log.warning("replica %s: index write failed; resyncing once it answers", self.name)
             self.index_ok = False
             self._metrics.skip("index_unavailable", batches)
             self._on_progress()
@@ -551,9 +556,7 @@ class ReplicaStream:
         The hash map stays: it followed every event meanwhile, so children of blocks stored
         before the replay window still find their parents.
         """
-        try:
-            await self.index.drop_confirmed(self.name)
-        except INDEX_ERRORS:
+        if not await self.index.drop_confirmed(self.name):
             return  # still down; the poll timeout brings us back
         log.info("replica %s: index reachable again, resyncing", self.name)
         self.index_ok = True

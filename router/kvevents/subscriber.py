@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from router.aio import cancel_and_wait
 from router.fleet import card_parent
 from router.index.base import PrefixIndex
+from router.index.client import IndexClient, as_client
 
 from .metrics import KVEventMetrics
 from .stream import ReplicaStream, StreamStatus
@@ -78,7 +79,7 @@ def reachable_endpoint(endpoint: str, replica_url: str) -> str:
 class KVEventSubscriber:
     def __init__(
         self,
-        index: PrefixIndex,
+        index: PrefixIndex | IndexClient,
         *,
         block_size_for: Callable[[str], int],
         registry: CollectorRegistry | None = None,
@@ -89,7 +90,8 @@ class KVEventSubscriber:
         idle_check_s: float = DEFAULT_IDLE_CHECK_S,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
-        self.index = index
+        self.index = as_client(index)
+        self.index.on_rebuild(self.resync_all)
         self.block_size_for = block_size_for
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = KVEventMetrics(self.registry)
@@ -175,6 +177,12 @@ class KVEventSubscriber:
 
     def watched(self) -> list[str]:
         return list(self._streams)
+
+    def resync_all(self) -> None:
+        """The index lost its state (Redis restarted empty): every stream rebuilds its replica's
+        entries from the history the replica buffers."""
+        for stream in self._streams.values():
+            stream.request_resync()
 
     def on_fleet_event(self, event: str, replica: Replica) -> None:
         """Adapter for ``Fleet.subscribe``: follow replicas that are up and publish events.
