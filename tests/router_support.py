@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -111,6 +112,67 @@ class ReplicaProcess:
         if self.proc.returncode is None:
             self.proc.kill()
             await self.proc.wait()
+
+
+class RedisProcess:
+    """A private redis-server on a free port, without persistence, that a test may kill, restart
+    empty on the same port, or freeze (the shared server must never be touched like that)."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        import redis.asyncio as aioredis
+
+        self.proc = await asyncio.create_subprocess_exec(
+            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )
+        probe = aioredis.Redis.from_url(self.url, socket_connect_timeout=1)
+        try:
+            for attempt in range(200):
+                try:
+                    await probe.ping()
+                    return
+                except (aioredis.ConnectionError, OSError):
+                    if attempt == 199:
+                        raise
+                    await asyncio.sleep(0.01)
+        finally:
+            await probe.aclose()
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGCONT)  # a frozen process dies only once it runs
+            self.proc.kill()
+            await self.proc.wait()
+
+    async def restart(self) -> None:
+        """Killed and started again: empty, as a Redis without persistence comes back."""
+        await self.kill()
+        await self.start()
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+
+@contextlib.asynccontextmanager
+async def own_redis() -> AsyncIterator[RedisProcess]:
+    from tests.conftest import free_port
+
+    server = RedisProcess(free_port())
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.kill()
 
 
 async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ from router.kvevents import wire
 from router.registry import ReplicaRecord, deregister, register
 from router.tokens import Tokenizer
 from tests.conftest import free_port
+from tests.router_support import own_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-emulated"
@@ -712,41 +712,11 @@ async def test_two_subscribers_on_one_redis_index_agree(tokenizer, session, redi
 # -- index outage ---------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def own_redis() -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    """A private redis-server (the shared one must never be paused): ``(process, url)``."""
-    import redis.asyncio as aioredis
-
-    port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    probe = aioredis.Redis.from_url(url)
-    try:
-        for attempt in range(200):
-            try:
-                await probe.ping()
-                break
-            except (aioredis.ConnectionError, OSError):
-                if attempt == 199:
-                    raise
-                await asyncio.sleep(0.01)
-        yield proc, url
-    finally:
-        await probe.aclose()
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-        await proc.wait()
-
-
 async def test_an_index_outage_is_resynced_from_the_replay_buffer():
     import redis.asyncio as aioredis
 
-    async with own_redis() as (server, url):
-        client = aioredis.Redis.from_url(url, socket_timeout=0.3, socket_connect_timeout=0.3)
+    async with own_redis() as server:
+        client = aioredis.Redis.from_url(server.url, socket_timeout=0.3, socket_connect_timeout=0.3)
         index = RedisIndex(client, key_prefix="kv-outage")
         await index.add_replica(ReplicaSpec(NAME, 1000, publishes_events=True))
         pub = await start_publisher()
@@ -759,11 +729,11 @@ async def test_an_index_outage_is_resynced_from_the_replay_buffer():
                 seq = pub.publish([stored([3, 4], None, evicted)])
                 await sub.wait_applied(NAME, seq, WAIT_S)
 
-                server.send_signal(signal.SIGSTOP)  # Redis hangs: writes time out
+                server.freeze()  # Redis hangs: writes time out
                 pub.publish([removed([3, 4])])
                 seq = pub.publish([stored([5, 6], None, added)])
                 await sub.wait_until(lambda: not sub.status(NAME).index_ok, WAIT_S)
-                server.send_signal(signal.SIGCONT)
+                server.thaw()
                 await sub.wait_until(lambda: sub.status(NAME).index_ok and sub.status(NAME).last_seq == seq, WAIT_S)
 
                 assert await index.lookup(router_chain(kept)) == {NAME: 2}
