@@ -6,12 +6,25 @@ emptied Redis must be rebuilt within seconds."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
+from router.app import RouterApp
 from router.index import IndexClient, RedisIndex
-from tests.router_support import MODEL, emulated_replicas, openai_client, own_redis, running_router, sample, scrape, total
+from tests.router_support import (
+    MODEL,
+    RedisProcess,
+    emulated_replicas,
+    openai_client,
+    own_redis,
+    running_router,
+    sample,
+    scrape,
+    total,
+)
 
 PREFIX = "faults"
 INDEX_TIMEOUT_S = 0.2
@@ -20,6 +33,17 @@ PROMPT = "A prompt long enough to fill several blocks of the tiny model, repeate
 
 async def complete(client, prompt: str):
     return await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+
+
+@contextlib.asynccontextmanager
+async def routed_with_own_redis() -> AsyncIterator[tuple[RedisProcess, RouterApp, list[str]]]:
+    """(Redis, router, replica URLs): a router over 2 emulated replicas, its index in that Redis."""
+    async with own_redis() as server, emulated_replicas(2) as reps:
+        urls = [r.url for r in reps]
+        async with running_router(urls, redis_url=server.url, redis_key_prefix=PREFIX,
+                                  index_timeout_s=INDEX_TIMEOUT_S) as app:
+            await complete(openai_client(app), PROMPT)
+            yield server, app, urls
 
 
 async def until(predicate, timeout_s: float = 10.0, step_s: float = 0.1) -> float:
@@ -32,85 +56,75 @@ async def until(predicate, timeout_s: float = 10.0, step_s: float = 0.1) -> floa
 
 
 async def test_killed_redis_requests_succeed_and_every_failure_is_counted():
-    async with own_redis() as server, emulated_replicas(2) as reps:
-        async with running_router([r.url for r in reps], redis_url=server.url, redis_key_prefix=PREFIX,
-                                  index_timeout_s=INDEX_TIMEOUT_S) as app:
-            client = openai_client(app)
-            await complete(client, PROMPT)
-            await server.kill()
-            n = 8
-            for i in range(n):
-                resp = await complete(client, f"{i} {PROMPT}")
-                assert resp.choices
-            samples = await scrape(app.url)
-            assert total(samples, "kvroute_requests_total", status="200") == n + 1
-            # one lookup per request, each failed (no connection) or skipped (known down): all counted
-            assert total(samples, "kvroute_index_errors_total", op="lookup") == n
-            assert total(samples, "kvroute_index_errors_total", op="lookup", kind="connection") >= 1
-            assert total(samples, "kvroute_index_errors_total", op="record_prediction") >= 1
-            assert sample(samples, "kvroute_index_available") == 0
+    async with routed_with_own_redis() as (server, app, _):
+        client = openai_client(app)
+        await server.kill()
+        n = 8
+        for i in range(n):
+            resp = await complete(client, f"{i} {PROMPT}")
+            assert resp.choices
+        samples = await scrape(app.url)
+        assert total(samples, "kvroute_requests_total", status="200") == n + 1
+        # one lookup per request, each failed (no connection) or skipped (known down): all counted
+        assert total(samples, "kvroute_index_errors_total", op="lookup") == n
+        assert total(samples, "kvroute_index_errors_total", op="lookup", kind="connection") >= 1
+        assert total(samples, "kvroute_index_errors_total", op="record_prediction") >= 1
+        assert sample(samples, "kvroute_index_available") == 0
 
 
 async def test_redis_restarted_empty_is_rebuilt_and_routing_learns_again():
-    async with own_redis() as server, emulated_replicas(2) as reps:
-        urls = [r.url for r in reps]
-        async with running_router(urls, redis_url=server.url, redis_key_prefix=PREFIX,
-                                  index_timeout_s=INDEX_TIMEOUT_S) as app:
-            client = openai_client(app)
-            await complete(client, PROMPT)
-            await server.restart()  # empty: no persistence
-            probe = aioredis.Redis.from_url(server.url)
-            try:
-                async def rebuilt() -> bool:
-                    return total(await scrape(app.url), "kvroute_index_rebuilds_total") >= 1
+    async with routed_with_own_redis() as (server, app, urls):
+        client = openai_client(app)
+        await server.restart()  # empty: no persistence
+        probe = aioredis.Redis.from_url(server.url)
+        try:
+            async def rebuilt() -> bool:
+                return total(await scrape(app.url), "kvroute_index_rebuilds_total") >= 1
 
-                await until(rebuilt)
-                registry = await probe.hkeys(f"{app.index.base}:cap")  # re-registered
-                assert sorted(k.decode() for k in registry) == sorted(urls)
-                before = total(await scrape(app.url), "kvroute_reuse_predicted_tokens_total")
-                fresh = "Another conversation, seen after the restart only. " * 6
-                await complete(client, fresh)
-                again = await complete(client, fresh)  # finds the first one's prediction
-                samples = await scrape(app.url)
-                assert total(samples, "kvroute_reuse_predicted_tokens_total") > before
-                assert again.usage.prompt_tokens_details.cached_tokens > 0  # and the engine held it
-                # every key lives a bounded time: a router that leaves leaves nothing for good
-                keys = [k async for k in probe.scan_iter(match=f"{PREFIX}:*")]
-                assert keys
-                assert all([await probe.pttl(k) > 0 for k in keys])
-            finally:
-                await probe.aclose()
+            await until(rebuilt)
+            registry = await probe.hkeys(f"{app.index.base}:cap")  # re-registered
+            assert sorted(k.decode() for k in registry) == sorted(urls)
+            before = total(await scrape(app.url), "kvroute_reuse_predicted_tokens_total")
+            fresh = "Another conversation, seen after the restart only. " * 6
+            await complete(client, fresh)
+            again = await complete(client, fresh)  # finds the first one's prediction
+            samples = await scrape(app.url)
+            assert total(samples, "kvroute_reuse_predicted_tokens_total") > before
+            assert again.usage.prompt_tokens_details.cached_tokens > 0  # and the engine held it
+            # every key lives a bounded time: a router that leaves leaves nothing for good
+            keys = [k async for k in probe.scan_iter(match=f"{PREFIX}:*")]
+            assert keys
+            assert all([await probe.pttl(k) > 0 for k in keys])
+        finally:
+            await probe.aclose()
 
 
 async def test_frozen_redis_costs_a_request_at_most_the_lookup_budget():
-    async with own_redis() as server, emulated_replicas(2) as reps:
-        async with running_router([r.url for r in reps], redis_url=server.url, redis_key_prefix=PREFIX,
-                                  index_timeout_s=INDEX_TIMEOUT_S) as app:
-            client = openai_client(app)
-            await complete(client, PROMPT)
-            server.freeze()
-            try:
-                elapsed = []
-                for i in range(8):
-                    started = time.perf_counter()
-                    resp = await complete(client, f"{i} {PROMPT}")
-                    elapsed.append(time.perf_counter() - started)
-                    assert resp.choices
-                # the replicas answer at once: all but the lookup budget is the machine's noise
-                assert max(elapsed) < INDEX_TIMEOUT_S + 0.8, elapsed
-                samples = await scrape(app.url)
-                assert total(samples, "kvroute_index_errors_total", op="lookup", kind="timeout") >= 1
-                assert total(samples, "kvroute_index_errors_total", op="lookup") == len(elapsed)
-            finally:
-                server.thaw()
-
-            async def answers() -> bool:
-                return sample(await scrape(app.url), "kvroute_index_available") == 1
-
-            await until(answers)
-            await complete(client, PROMPT)
+    async with routed_with_own_redis() as (server, app, _):
+        client = openai_client(app)
+        server.freeze()
+        try:
+            elapsed = []
+            for i in range(8):
+                started = time.perf_counter()
+                resp = await complete(client, f"{i} {PROMPT}")
+                elapsed.append(time.perf_counter() - started)
+                assert resp.choices
+            # the replicas answer at once: all but the lookup budget is the machine's noise
+            assert max(elapsed) < INDEX_TIMEOUT_S + 0.8, elapsed
             samples = await scrape(app.url)
-            assert total(samples, "kvroute_requests_total", status="200") == 10
+            assert total(samples, "kvroute_index_errors_total", op="lookup", kind="timeout") >= 1
+            assert total(samples, "kvroute_index_errors_total", op="lookup") == len(elapsed)
+        finally:
+            server.thaw()
+
+        async def answers() -> bool:
+            return sample(await scrape(app.url), "kvroute_index_available") == 1
+
+        await until(answers)
+        await complete(client, PROMPT)
+        samples = await scrape(app.url)
+        assert total(samples, "kvroute_requests_total", status="200") == 10
 
 
 async def test_writes_beyond_the_queue_are_dropped_and_counted(redis_url, redis_prefix):
