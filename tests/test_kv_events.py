@@ -26,7 +26,7 @@ from replica.emulated.publisher import BlockRemoved, BlockStored, KVEventPublish
 from replica.emulated.server import EmulatedReplica, ReplicaConfig
 from router.blocks import block_hashes, namespace_seed
 from router.fleet import Fleet, FleetSettings
-from router.index import MemoryIndex, RedisIndex, ReplicaSpec
+from router.index import IndexClient, MemoryIndex, RedisIndex, ReplicaSpec
 from router.index.base import PrefixIndex
 from router.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber, WireError
 from router.kvevents import wire
@@ -744,3 +744,29 @@ async def test_an_index_outage_is_resynced_from_the_replay_buffer():
         finally:
             await pub.close()
             await client.aclose()
+
+
+async def test_a_redis_restarted_empty_is_refilled_from_the_replay_buffer():
+    async with own_redis() as server:
+        index = RedisIndex(server.url, key_prefix="kv-rebuild")
+        client = IndexClient(index, refresh_s=0.2)
+        await client.start()
+        await client.add_replica(ReplicaSpec(NAME, 1000, publishes_events=True))
+        pub = await start_publisher()
+        held = tokens(1, 2)
+        try:
+            async with following(client, pub.endpoint, pub.replay_endpoint, live=pub) as sub:
+                seq = pub.publish([stored([1, 2], None, held)])
+                await sub.wait_applied(NAME, seq, WAIT_S)
+                replays0 = sub.status(NAME).replays
+
+                await server.restart()  # empty: the confirmed blocks are gone from the index
+                async with asyncio.timeout(WAIT_S):
+                    while await client.lookup(router_chain(held)) != {NAME: 2}:
+                        await asyncio.sleep(0.05)
+                assert client.metrics.rebuilds._value.get() == 1
+                assert sub.status(NAME).replays == replays0 + 1  # the resync the rebuild asked for
+        finally:
+            await pub.close()
+            await client.stop()
+            await index.close()

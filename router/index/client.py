@@ -6,8 +6,8 @@ Every caller (routing, the fleet, the KV-event streams, the metrics endpoint) go
 - a budget: a lookup waits at most ``timeout_s``; other calls at most ``write_timeout_s``;
 - a verdict: a failure is counted in ``kvroute_index_errors_total{op, kind}`` (timeout,
   connection, error) and never raised; after ``SKIP_AFTER_FAILURES`` failures in a row, calls
-  skip the index (kind ``unavailable``) until the next refresh gets an answer, so a frozen Redis
-  costs a request at most one lookup budget, not one per request;
+  skip the index (kind ``unavailable``) but for one probe call every ``refresh_s``, until a call
+  gets an answer, so a frozen Redis costs a few requests one lookup budget, not every request;
 - writes behind the answer: ``record_prediction`` only queues the write (bounded; a full queue
   drops it, counted as ``dropped``) and a few writer tasks send it, so a request never waits for
   it.  It is queued at routing time and sent within an event-loop turn, before the upstream
@@ -89,6 +89,8 @@ class IndexClient:
         self._check_now = asyncio.Event()
         self._rebuild_listeners: list[Callable[[], None]] = []
         self._failures = 0  # timeouts and connection failures in a row
+        self._skip_until = 0.0  # while failing: calls skip the index until then, but for one probe
+        self._stopped = False
         self.metrics.write_queue.set_function(self._queue.qsize)
         self._latency: dict[str, Any] = {}  # op -> its histogram child, bound once
 
@@ -108,6 +110,7 @@ class IndexClient:
 
     async def stop(self) -> None:
         """Stop the writers (queued writes are dropped) and the refresh; the backend stays open."""
+        self._stopped = True
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(tasks)
 
@@ -178,8 +181,10 @@ class IndexClient:
     async def _call(self, op: str, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], timeout_s: float) -> T:
         """``fn(*args)`` within ``timeout_s``, timed and counted; ``_FAILED`` if it did not answer."""
         if self._failures >= SKIP_AFTER_FAILURES and op != "refresh":
-            self.metrics.errors.labels(op, "unavailable").inc()
-            return _FAILED
+            if self._skipping():
+                self.metrics.errors.labels(op, "unavailable").inc()
+                return _FAILED
+            self._skip_until = time.monotonic() + self.refresh_s  # this call probes, the others skip
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
@@ -191,6 +196,8 @@ class IndexClient:
                 log.warning("index %s failed: %r", op, exc)
             else:
                 self._failures += 1
+                if self._failures >= SKIP_AFTER_FAILURES:
+                    self._skip_until = time.monotonic() + self.refresh_s
                 if self._failures == SKIP_AFTER_FAILURES:
                     self.metrics.available.set(0)
                     log.warning("index unreachable (%s: %r): routing without it until it answers", op, exc)
@@ -206,8 +213,11 @@ class IndexClient:
             self._failures = 0
         return value
 
+    def _skipping(self) -> bool:
+        return self._failures >= SKIP_AFTER_FAILURES and time.monotonic() < self._skip_until
+
     def _submit(self, op: str, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
-        if self._failures >= SKIP_AFTER_FAILURES:
+        if self._skipping():
             self.metrics.errors.labels(op, "unavailable").inc()
             return
         try:
@@ -215,7 +225,7 @@ class IndexClient:
         except asyncio.QueueFull:
             self.metrics.errors.labels(op, "dropped").inc()
             return
-        if not self._tasks:
+        if not self._tasks and not self._stopped:
             self._start_writers()  # a client nobody started (tests, tools): writers on first use
 
     def _start_writers(self) -> None:
