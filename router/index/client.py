@@ -6,8 +6,9 @@ Every caller (routing, the fleet, the KV-event streams, the metrics endpoint) go
 - a budget: a lookup waits at most ``timeout_s``; other calls at most ``write_timeout_s``;
 - a verdict: a failure is counted in ``kvroute_index_errors_total{op, kind}`` (timeout,
   connection, error) and never raised; after ``SKIP_AFTER_FAILURES`` failures in a row, calls
-  skip the index (kind ``unavailable``) but for one probe call every ``refresh_s``, until a call
-  gets an answer, so a frozen Redis costs a few requests one lookup budget, not every request;
+  skip the index (kind ``unavailable``) until the refresh, every ``refresh_s``, gets an answer
+  (in a client nobody started, one call every ``refresh_s`` probes instead), so a frozen Redis
+  costs the first few requests one lookup budget each and the others nothing;
 - writes behind the answer: ``record_prediction`` only queues the write (bounded; a full queue
   drops it, counted as ``dropped``) and a few writer tasks send it, so a request never waits for
   it.  It is queued at routing time and sent within an event-loop turn, before the upstream
@@ -91,6 +92,7 @@ class IndexClient:
         self._failures = 0  # timeouts and connection failures in a row
         self._skip_until = 0.0  # while failing: calls skip the index until then, but for one probe
         self._stopped = False
+        self._refresh_probes = False  # the refresh loop runs: calls that fail never probe
         self.metrics.write_queue.set_function(self._queue.qsize)
         self._latency: dict[str, Any] = {}  # op -> its histogram child, bound once
 
@@ -106,11 +108,13 @@ class IndexClient:
             return
         self._start_writers()
         await self._refresh()
+        self._refresh_probes = True
         self._tasks.append(asyncio.create_task(self._refresh_loop(), name="index-refresh"))
 
     async def stop(self) -> None:
         """Stop the writers (queued writes are dropped) and the refresh; the backend stays open."""
         self._stopped = True
+        self._refresh_probes = False
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(tasks)
 
@@ -181,7 +185,7 @@ class IndexClient:
     async def _call(self, op: str, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], timeout_s: float) -> T:
         """``fn(*args)`` within ``timeout_s``, timed and counted; ``_FAILED`` if it did not answer."""
         if self._failures >= SKIP_AFTER_FAILURES and op != "refresh":
-            if self._skipping():
+            if self._refresh_probes or self._skipping():
                 self.metrics.errors.labels(op, "unavailable").inc()
                 return _FAILED
             self._skip_until = time.monotonic() + self.refresh_s  # this call probes, the others skip
@@ -214,7 +218,7 @@ class IndexClient:
         return value
 
     def _skipping(self) -> bool:
-        return self._failures >= SKIP_AFTER_FAILURES and time.monotonic() < self._skip_until
+        return self._failures >= SKIP_AFTER_FAILURES and (self._refresh_probes or time.monotonic() < self._skip_until)
 
     def _submit(self, op: str, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
         if self._skipping():
