@@ -137,3 +137,30 @@ async def test_writes_beyond_the_queue_are_dropped_and_counted(redis_url, redis_
     finally:
         await client.stop()
         await index.close()
+
+
+async def test_a_failing_index_is_skipped_then_probed_until_it_answers():
+    async with own_redis() as server:
+        index = RedisIndex(server.url, key_prefix=PREFIX)
+        client = IndexClient(index, timeout_s=INDEX_TIMEOUT_S, refresh_s=0.5)  # not started: calls probe
+        errors = client.metrics.errors
+        try:
+            assert await client.lookup([1, 2]) == {}  # answered: nothing held
+            server.freeze()
+            for _ in range(3):
+                assert await client.lookup([1, 2]) == {}
+            assert errors.labels("lookup", "timeout")._value.get() == 3
+            started = time.perf_counter()
+            assert await client.lookup([1, 2]) == {}
+            assert time.perf_counter() - started < INDEX_TIMEOUT_S  # skipped, not waited for
+            assert errors.labels("lookup", "unavailable")._value.get() == 1
+            assert client.metrics.available._value.get() == 0
+            server.thaw()
+            await asyncio.sleep(0.6)  # past refresh_s: the next call probes
+            assert await client.lookup([1, 2]) == {}
+            assert client.metrics.available._value.get() == 1
+            assert errors.labels("lookup", "unavailable")._value.get() == 1
+        finally:
+            server.thaw()
+            await client.stop()
+            await index.close()

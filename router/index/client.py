@@ -84,7 +84,8 @@ class IndexClient:
         self._local = backend if isinstance(backend, MemoryIndex) else None
         self._queue: asyncio.Queue[tuple[str, Callable[..., Awaitable[Any]], tuple[Any, ...]]] = asyncio.Queue(queue_size)
         self._writers_wanted = writers
-        self._tasks: list[asyncio.Task[None]] = []
+        self._writers: list[asyncio.Task[None]] = []
+        self._refresher: asyncio.Task[None] | None = None
         self._specs: dict[str, ReplicaSpec] = {}  # what this router registered: registered again after a rebuild
         self._epoch: str | None = None
         self._check_now = asyncio.Event()
@@ -96,26 +97,23 @@ class IndexClient:
         self.metrics.write_queue.set_function(self._queue.qsize)
         self._latency: dict[str, Any] = {}  # op -> its histogram child, bound once
 
-    @property
-    def shared(self) -> bool:
-        """The backend is out of this process (Redis)."""
-        return self._local is None
-
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         """Learn the store's epoch now, then refresh it in the background (shared backends)."""
-        if self._local is not None or self._tasks:
+        if self._local is not None or self._refresher is not None:
             return
-        self._start_writers()
+        if not self._writers:
+            self._start_writers()
         await self._refresh()
         self._refresh_probes = True
-        self._tasks.append(asyncio.create_task(self._refresh_loop(), name="index-refresh"))
+        self._refresher = asyncio.create_task(self._refresh_loop(), name="index-refresh")
 
     async def stop(self) -> None:
         """Stop the writers (queued writes are dropped) and the refresh; the backend stays open."""
         self._stopped = True
         self._refresh_probes = False
-        tasks, self._tasks = self._tasks, []
+        tasks = [*self._writers, *([self._refresher] if self._refresher else [])]
+        self._writers, self._refresher = [], None
         await cancel_and_wait(tasks)
 
     def on_rebuild(self, callback: Callable[[], None]) -> None:
@@ -229,12 +227,12 @@ class IndexClient:
         except asyncio.QueueFull:
             self.metrics.errors.labels(op, "dropped").inc()
             return
-        if not self._tasks and not self._stopped:
+        if not self._writers and not self._stopped:
             self._start_writers()  # a client nobody started (tests, tools): writers on first use
 
     def _start_writers(self) -> None:
         for i in range(self._writers_wanted):
-            self._tasks.append(asyncio.create_task(self._writer(), name=f"index-writer-{i}"))
+            self._writers.append(asyncio.create_task(self._writer(), name=f"index-writer-{i}"))
 
     async def _writer(self) -> None:
         queue = self._queue
