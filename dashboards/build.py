@@ -296,8 +296,10 @@ INDEX = dashboard(
         Panel("Index calls / s", [(f"sum by (op) (rate(kvroute_index_latency_seconds_count[{RI}]))", "{{op}}")],
               unit="ops"),
         Panel("Index errors / s by router",
-              [(f"sum by (instance, op) (rate(kvroute_index_errors_total[{RI}]))", "{{instance}} {{op}}")],
-              unit="ops", description="Failed or timed-out index calls: the router then routes from its local view."),
+              [(f"sum by (instance, op, kind) (rate(kvroute_index_errors_total[{RI}]))", "{{instance}} {{op}} {{kind}}")],
+              unit="ops", description="Failed index calls by kind: timeout, connection, error; dropped (write queue "
+                                      "full) and unavailable (skipped while Redis fails). Requests are routed without "
+                                      "the index meanwhile."),
         Panel("KV events applied / s by type",
               [(f"sum by (type) (rate(kvroute_kv_events_applied_total[{RI}]))", "{{type}}")], unit="ops"),
         Panel("KV events applied / s by replica",
@@ -315,6 +317,11 @@ INDEX = dashboard(
               unit="s", description="From the engine's batch timestamp to the router applying it."),
         Panel("KV events skipped by reason", [(f"sum by (reason) (rate(kvroute_kv_events_skipped_total[{RI}]))",
                                                "{{reason}}")], unit="ops"),
+        Panel("Index availability and rebuilds by router",
+              [("min by (instance) (kvroute_index_available)", "available {{instance}}"),
+               (f"sum by (instance) (increase(kvroute_index_rebuilds_total[{RI}]))", "rebuilds {{instance}}")],
+              description="Available 0: the router skips a failing Redis until it answers. A rebuild: Redis came "
+                          "back empty (restart, flush) and the router registered its replicas again."),
     ],
 )
 
