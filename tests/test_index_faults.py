@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 
 from router.app import RouterApp
-from router.index import IndexClient, RedisIndex
+from router.index import IndexClient, RedisIndex, ReplicaSpec
 from tests.router_support import (
     MODEL,
     RedisProcess,
@@ -164,3 +164,22 @@ async def test_a_failing_index_is_skipped_then_probed_until_it_answers():
             server.thaw()
             await client.stop()
             await index.close()
+
+
+async def test_a_replica_another_router_took_out_is_registered_again_by_a_router_routing_there(
+    redis_url, redis_prefix
+):
+    ours, theirs = (IndexClient(RedisIndex(redis_url, key_prefix=redis_prefix)) for _ in range(2))
+    spec = ReplicaSpec("r", 1000)
+    try:
+        for client in (ours, theirs):
+            assert await client.add_replica(spec)
+        assert await theirs.remove_replica("r")  # it saw the replica down; we still route there
+        ours.record_prediction("r", [7, 8, 9])  # unregistered: registered again, then written
+        async with asyncio.timeout(10):
+            while await ours.lookup([7, 8, 9]) != {"r": 3}:
+                await asyncio.sleep(0.05)
+    finally:
+        for client in (ours, theirs):
+            await client.stop()
+            await client.backend.close()

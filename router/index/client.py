@@ -173,12 +173,23 @@ class IndexClient:
         return await self._call(op, fn, args, self.write_timeout_s) is not _FAILED
 
     async def _record_prediction(self, replica: str, chain: Sequence[int]) -> None:
-        if not await self.backend.record_prediction(replica, chain):
-            self._check_now.set()  # unregistered: the store may have lost its state
+        if not await self.backend.record_prediction(replica, chain) and await self._registered_again(replica):
+            await self.backend.record_prediction(replica, chain)
 
     async def _confirm(self, replica: str, hashes: Sequence[int]) -> None:
-        if not await self.backend.confirm(replica, hashes):
-            self._check_now.set()
+        if not await self.backend.confirm(replica, hashes) and await self._registered_again(replica):
+            await self.backend.confirm(replica, hashes)
+
+    async def _registered_again(self, replica: str) -> bool:
+        """A write found ``replica`` unregistered: the store may have lost its state (the refresh
+        compares epochs at once), or another router sharing it took the replica out (it saw it
+        down).  This router still routes there: it registers it again, so its writes land."""
+        self._check_now.set()
+        spec = self._specs.get(replica)
+        if spec is None:
+            return False
+        await self.backend.add_replica(spec)
+        return True
 
     async def _call(self, op: str, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], timeout_s: float) -> T:
         """``fn(*args)`` within ``timeout_s``, timed and counted; ``_FAILED`` if it did not answer."""
