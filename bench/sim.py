@@ -38,9 +38,10 @@ import numpy as np
 
 from router.blocks import block_hashes, namespace_seed
 from router.index.base import ReplicaSpec
+from router.index.client import IndexClient
 from router.index.memory import MemoryIndex
 from router.load import LoadTracker
-from router.placement import MemoryPredictions, Placement, snapshot
+from router.placement import Placement, snapshot
 from router.policy.base import Policy, RouteRequest
 
 from .limit import available_blocks, limit_ttfts, prefill_seconds
@@ -261,7 +262,7 @@ class FleetSim:
             engine = EmulatedEngine(cfg.profile, block_size=self.block_size, on_kv_event=hook, emit_token_updates=False)
             self.engines.append(engine)
             drive(self.index.add_replica(ReplicaSpec(name, engine.num_gpu_blocks, publishes_events=cfg.kv_events)))
-        self.placement = Placement(policy, MemoryPredictions(self.index), self.tracker)
+        self.placement = Placement(policy, IndexClient(self.index), self.tracker)  # in process: sync calls
         self._replica_pos = {n: i for i, n in enumerate(self.names)}
         n = len(self.requests)
         self._order: list[int] = []  # request indices in the order they were routed

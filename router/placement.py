@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
-from .index.memory import MemoryIndex
 from .load import LoadTracker
 from .policy.base import Decision, Policy, ReplicaState, RouteRequest
 
@@ -21,24 +20,12 @@ Chains = Sequence[Sequence[int]] | None  # every chain of a batch of prompts; No
 
 
 class Predictions(Protocol):
-    """The two index calls routing makes: a lookup it waits for, a prediction it does not."""
+    """The two index calls routing makes: a lookup it waits for, a prediction it does not
+    (``router.index.IndexClient``, over Redis or, in the simulator too, the memory index)."""
 
     def lookup(self, chain: Sequence[int]) -> Awaitable[dict[str, int]]: ...
 
     def record_prediction(self, replica: str, chain: Sequence[int]) -> None: ...
-
-
-class MemoryPredictions:
-    """:class:`Predictions` over an in-process memory index (the simulator's): no I/O, no waiting."""
-
-    def __init__(self, index: MemoryIndex):
-        self.index = index
-
-    async def lookup(self, chain: Sequence[int]) -> dict[str, int]:
-        return self.index.lookup_now(chain)
-
-    def record_prediction(self, replica: str, chain: Sequence[int]) -> None:
-        self.index.record_prediction_now(replica, chain)
 
 
 def snapshot(name: str, load: LoadTracker, running: int) -> ReplicaState:
