@@ -23,6 +23,12 @@ Every caller (routing, the fleet, the KV-event streams, the metrics endpoint) go
 
 A ``MemoryIndex`` is called directly and synchronously (no budget, no task, no timing): it never
 waits on I/O, so the in-process path costs what the index itself costs.
+
+The other writes (the fleet's registrations, the KV-event streams' confirm / remove / clear) are
+awaited by their callers, within ``write_timeout_s``, and answer whether they landed: none runs on
+a request's path, and each caller needs the verdict.  A KV-event stream is itself a background
+writer per replica: its writes must land in order, and one that fails makes it resync from the
+replica's replay buffer, which a write dropped silently from a queue could not.
 """
 
 from __future__ import annotations
