@@ -88,7 +88,8 @@ class IndexClient:
         self.write_timeout_s = write_timeout_s if write_timeout_s is not None else 5 * timeout_s
         self.refresh_s = refresh_s
         self._local = backend if isinstance(backend, MemoryIndex) else None
-        self._queue: asyncio.Queue[tuple[str, Callable[..., Awaitable[Any]], tuple[Any, ...]]] = asyncio.Queue(queue_size)
+        self._queue: asyncio.Queue[tuple[str, Callable[..., Awaitable[Any]], tuple[Any, ...]]]
+        self._queue = asyncio.Queue(queue_size)
         self._writers_wanted = writers
         self._writers: list[asyncio.Task[None]] = []
         self._refresher: asyncio.Task[None] | None = None
@@ -267,7 +268,8 @@ class IndexClient:
 
     async def _refresh(self) -> None:
         """Renew our keys, read the epoch; a new one means the store lost what we wrote."""
-        epoch = await self._call("refresh", self.backend.refresh, (list(self._specs), uuid.uuid4().hex), self.write_timeout_s)
+        token = uuid.uuid4().hex  # the epoch, should the store have none
+        epoch = await self._call("refresh", self.backend.refresh, (list(self._specs), token), self.write_timeout_s)
         if epoch is _FAILED or epoch is None or epoch == self._epoch:
             return
         if self._epoch is None and not self._specs:

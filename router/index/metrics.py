@@ -31,14 +31,17 @@ class IndexMetrics:
         )
         self.rebuilds = Counter(
             "kvroute_index_rebuilds",
-            "times the shared index was found emptied (Redis restarted or flushed) and this router's replicas registered again",
+            "times the shared index was found emptied (Redis restarted or flushed) and this router's replicas "
+            "registered again",
             registry=r,
         )
         self.write_queue = Gauge(
             "kvroute_index_write_queue", "index writes waiting to be sent (bounded; dropped when full)", registry=r
         )
         self.available = Gauge(
-            "kvroute_index_available", "1 while the index answers; 0 while calls skip it after failures in a row", registry=r
+            "kvroute_index_available",
+            "1 while the index answers; 0 while calls skip it after failures in a row",
+            registry=r,
         )
         self.available.set(1)
         for op in INDEX_OPS:

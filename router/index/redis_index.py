@@ -57,6 +57,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from router.blocks import HASH_SCHEME
 
@@ -377,7 +378,7 @@ class RedisIndex(PrefixIndex):
     """The prefix index in Redis: every call is one EVALSHA round trip.
 
     ``url_or_client``: a Redis URL (the index owns and closes that client, with ``timeout_s`` to
-    connect and per reply, and no retries: the caller decides what a failure means) or a
+    connect and per reply, and one retry on a lost connection, none on a timeout) or a
     ``redis.asyncio`` client (left open).  Indexes with the same ``key_prefix`` and ``shard``
     share everything.  Every key written lives ``key_ttl_s`` past the last write or ``refresh``
     naming it, so a fleet of routers that has gone leaves nothing behind for good.
@@ -396,8 +397,11 @@ class RedisIndex(PrefixIndex):
         if any(c in key_prefix + shard for c in "{}"):
             raise ValueError("key_prefix and shard must not contain '{' or '}' (the hash tag is ours)")
         if isinstance(url_or_client, str):
+            # one retry, on a lost connection only: a pooled connection to a Redis that restarted
+            # fails once, and every script is safe to run twice; a timeout is the caller's verdict
+            retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
             self.client = aioredis.Redis.from_url(
-                url_or_client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+                url_or_client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=retry
             )
             self._owns_client = True
         else:
