@@ -65,7 +65,7 @@ TIME_SCALE = 0.1  # emulated engines run 10x faster than the profile (an H100 se
 ALERT_TIMEOUT_S = 60.0
 # the alerts of deploy/prometheus/alerts.yml, each made to fire by its condition below
 EXPECTED_ALERTS = ("KvrouteDeliveredReuseLow", "KvrouteReplicaShareHigh", "KvrouteRedisErrors", "KvrouteRouter5xx",
-                   "KvrouteKvEventGaps")
+                   "KvrouteKvEventGaps", "KvrouteIndexRebuilt")
 
 
 def _binary(name: str) -> str:
@@ -422,6 +422,7 @@ class Fleet:
     replicas: dict[str, list[str]]
     started_at: float
     gaps: GapPublisher
+    redis_prefix: str  # router A's index keys
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -498,7 +499,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         time.sleep(15)  # rate windows (10 s) filled with load
         if load_future.done():
             load_future.result()  # raises what ended the load early
-        yield Fleet(prom, router_a, router_b, load, urls, started, gaps)
+        yield Fleet(prom, router_a, router_b, load, urls, started, gaps, prefix)
     finally:
         if load is not None:
             loop.loop.call_soon_threadsafe(load.stop.set)
@@ -684,6 +685,7 @@ def test_each_alert_fires_by_its_condition(fleet: Fleet):
         "KvrouteRouter5xx": lambda lab: lab.get("model") in ("tiny", "hot", "tiny-rr"),
         "KvrouteDeliveredReuseLow": lambda lab: lab.get("model") in ("tiny", "hot"),  # cost_model follows the cache
         "KvrouteReplicaShareHigh": lambda lab: lab.get("model") == "tiny-rr",  # round-robin spreads evenly
+        "KvrouteIndexRebuilt": lambda lab: True,  # nothing emptied Redis (yet: see the test below)
     }
     wait_for_alerts(fleet, expected, unexpected)
 
@@ -695,6 +697,23 @@ def test_kv_event_gap_alert_fires_for_the_lossy_publisher(fleet: Fleet):
     wait_for_alerts(fleet, {GAP_ALERT: lambda lab: lab.get("replica") == lossy},
                     {GAP_ALERT: lambda lab: lab.get("replica") in lossless})
     assert fleet.gaps.skipped > 0
+
+
+def test_index_rebuild_alert_fires_when_redis_loses_the_index(fleet: Fleet):
+    """Router A's index loses its epoch key, as a Redis restarted empty or flushed would: A
+    registers its replicas again, counts the rebuild, and the alert fires for A alone."""
+    import redis
+
+    from router.blocks import HASH_SCHEME
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert client.delete(f"{fleet.redis_prefix}:{{{HASH_SCHEME}}}:epoch") == 1
+    finally:
+        client.close()
+    a, b = fleet.router_a.instance, fleet.router_b.instance
+    wait_for_alerts(fleet, {"KvrouteIndexRebuilt": lambda lab: lab.get("instance") == a},
+                    {"KvrouteIndexRebuilt": lambda lab: lab.get("instance") == b})
 
 
 def test_load_went_through_the_routers(fleet: Fleet):
