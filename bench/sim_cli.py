@@ -47,14 +47,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def resolve_policies(spec: str) -> list[str]:
-    from router.policy import ALL
+    from router.policy import ALL, POLICIES
 
     if spec.strip() == "all":
         return list(ALL)
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [n for n in names if n not in ALL]
+    unknown = [n for n in names if n not in POLICIES]
     if unknown:
-        raise SystemExit(f"kvroute sim: unknown policy {', '.join(unknown)}; choose from {', '.join(ALL)} or all")
+        raise SystemExit(f"kvroute sim: unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)} or all")
     return names
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.policy import ALL, BASELINES, POLICIES, ReplicaState, RouteRequest, make_policy
+from router.policy import ALL, BASELINES, POLICIES, Policy, ReplicaState, RouteRequest, make_policy
 from router.policy.chwbl import ChwblPolicy, load_ok
 from router.policy.cost_model import CostModelPolicy, SessionBook
 from router.policy.sglang_cache_aware import ApproxRadixTree, SglangCacheAwarePolicy, shared_prefix_len
@@ -45,8 +45,8 @@ def request(
 def test_registry_names_and_order() -> None:
     assert BASELINES == ["round_robin", "least_loaded", "power_of_two", "chwbl", "sglang_cache_aware"]
     assert ALL == ["cost_model", *BASELINES]
-    assert set(POLICIES) == set(ALL)
-    for name in ALL:
+    assert set(POLICIES) == {*ALL, "greedy_ttft"}
+    for name in POLICIES:
         policy = make_policy(name, seed=7)
         assert policy.name == name
         assert isinstance(policy, POLICIES[name])
@@ -370,22 +370,123 @@ def test_cost_model_prefers_the_replica_holding_the_prefix() -> None:
     assert (d.replica, d.reason, d.matched_blocks) == ("r2", "cache", 60)
 
 
-def test_cost_model_leaves_the_holder_when_its_queue_costs_more_than_a_fresh_prefill() -> None:
+def test_greedy_ttft_leaves_the_holder_when_its_queue_costs_more_than_a_fresh_prefill() -> None:
     replicas = fleet(1, 1, 1)
     holder = replicas[0]
     req = request(64, matches={"r0": 60})  # 1024 tokens, 64 uncached on r0
-    policy = make_policy("cost_model")  # leave once queue + 64 > 1024
+    policy = make_policy("greedy_ttft")  # leave once queue + 64 > 1024
     holder.queued_prefill_tokens = 900
     assert policy.choose(req, replicas).replica == "r0"
     holder.queued_prefill_tokens = 1000
     d = policy.choose(req, replicas)
     assert d.replica != "r0" and d.reason == "load"
     # Pricing the fresh prefill's delay to later requests (weight 3): queue + 3*64 vs 3*1024.
-    patient = make_policy("cost_model", own_work_weight=3.0)
+    patient = make_policy("greedy_ttft", own_work_weight=3.0)
     holder.queued_prefill_tokens = 2800
     assert patient.choose(req, replicas).replica == "r0"
     holder.queued_prefill_tokens = 2960
     assert patient.choose(req, replicas).replica != "r0"
+
+
+def warmed(name: str = "cost_model", n: int = 4, requests: int = 200, **options: object) -> tuple[Policy, float]:
+    """A policy that has routed ``requests`` unrelated ones (0.1 s apart) on an idle ``n``-replica
+    fleet: past the cold start, every prefix it has not seen is a cold one.  Returns it and the
+    clock."""
+    policy = make_policy(name, **options)
+    idle = fleet(*[0] * n)
+    for k in range(requests):
+        req = request(8, first=100_000 + 100 * k)
+        req.now = 0.1 * k
+        policy.on_routed(req, policy.choose(req, idle))
+    return policy, 0.1 * requests
+
+
+def test_cost_model_prices_the_copy_a_departure_makes() -> None:
+    # A follow-up held by r0 (60 of 64 blocks) while r0 has prefill queued: leaving builds a
+    # second copy of 60 blocks, whose prefill the requests queued behind it on the new replica pay.
+    greedy, now = warmed("greedy_ttft")
+    fleet_cost, _ = warmed()
+    replicas = fleet(1, 1, 1, 1)
+    req = request(64, matches={"r0": 60})
+    req.now = now
+    replicas[0].queued_prefill_tokens = 2000  # more than a fresh 1024-token prefill elsewhere
+    assert greedy.choose(req, replicas).replica != "r0"
+    assert fleet_cost.choose(req, replicas).replica == "r0"
+    # Not at any price: a queue far longer than the copy's cost to the fleet is left.
+    replicas[0].queued_prefill_tokens = 50_000
+    assert fleet_cost.choose(req, replicas).replica != "r0"
+
+
+def test_cost_model_replicates_a_prefix_whose_traffic_outgrows_its_holders() -> None:
+    policy, now = warmed()
+    replicas = fleet(1, 1, 1, 1)
+    hot = request(64, matches={"r0": 60})
+    cold = request(64, first=5000, matches={"r0": 60})
+    replicas[0].queued_prefill_tokens = 2000
+    cold.now = now
+    assert policy.choose(cold, replicas).replica == "r0"  # one request: no evidence, no copy
+    # Half the traffic for 30 s carries the hot prefix: more than its one holder's fair share (1/4).
+    picks = []
+    for k in range(300):
+        req = hot if k % 2 else request(8, first=200_000 + 100 * k)
+        req.now = now + 0.1 * k
+        picks.append(policy.choose(req, replicas).replica)
+    assert picks[-1] != "r0"
+    # Three quarters of the traffic: two holders of four still serve more than their share.
+    two = request(64, matches={"r0": 60, "r1": 60})
+    replicas[1].queued_prefill_tokens = 2000
+    for k in range(300):
+        req = two if k % 4 else request(8, first=300_000 + 100 * k)
+        req.now = now + 30 + 0.1 * k
+        d = policy.choose(req, replicas)
+    assert d.replica not in ("r0", "r1")
+
+
+def test_cost_model_fresh_work_goes_where_it_evicts_nothing() -> None:
+    # The fleet reuses a quarter of each prompt (so a cached block is worth keeping), all four
+    # replicas equally busy; r3's cache has room, the others are full.
+    policy = make_policy("cost_model")
+    replicas = fleet(1, 1, 1, 1)
+    for r in replicas:
+        r.capacity_blocks, r.cached_blocks = 1000, 1000
+    replicas[3].cached_blocks = 100
+    for k in range(200):
+        req = request(64, first=100_000 + 100 * k, matches={"r0": 16})
+        req.now = 0.1 * k
+        policy.choose(req, replicas)
+    fresh = request(64, first=900_000)
+    fresh.now = 20.0
+    assert policy.choose(fresh, replicas).replica == "r3"
+    # Unknown fill (a caller that does not report it): no preference, the least work wins.
+    for r in replicas:
+        r.cached_blocks = None
+    replicas[1].queued_prefill_tokens = 0
+    for r in (replicas[0], replicas[2], replicas[3]):
+        r.queued_prefill_tokens = 100
+    assert policy.choose(fresh, replicas).replica == "r1"
+
+
+def test_cost_model_a_cold_replica_back_in_the_fleet_takes_new_sessions_at_once() -> None:
+    # Three replicas serve sessions that share a system prompt (16 of 64 blocks) when r3 comes back
+    # from a restart: empty, idle, holding nothing, not even the system prompt.
+    policy, now = warmed(n=3)
+    busy = fleet(2, 2, 2)
+    for r in busy:
+        r.queued_prefill_tokens, r.running, r.capacity_blocks, r.cached_blocks = 500, 2, 1000, 1000
+    system = {r.name: 16 for r in busy}
+    for k in range(12):
+        req = request(64, first=1000 * k, matches=system, session=f"old{k}")
+        req.now = now + k
+        policy.on_routed(req, policy.choose(req, busy))
+    back = ReplicaState(name="r3", capacity_blocks=1000, cached_blocks=0)
+    replicas = [*busy, back]
+    new = request(64, first=50_000, matches=system, session="new")
+    new.now = now + 13
+    assert policy.choose(new, replicas).replica == "r3"
+    # The old sessions stay where their history is.
+    old = request(64, first=0, matches={"r0": 60, "r1": 16, "r2": 16}, session="old0")
+    old.now = now + 14
+    assert policy.choose(old, replicas).replica == "r0"
 
 
 def test_cost_model_rates_pooled_or_per_replica() -> None:
@@ -570,6 +671,29 @@ def test_every_policy_returns_one_of_the_given_replicas(
         policy.on_routed(req, d)
         if len(states) == 1:
             assert d.replica == "r0"
+
+
+def test_only_policies_that_declare_it_read_the_text() -> None:
+    # Same requests with and without their text: a policy that does not need it decides alike.
+    texts = ["alpha " * 40, "alpha " * 39 + "beta", "gamma " * 40, "alpha " * 40 + "delta"]
+
+    def picks(name: str, with_text: bool) -> list[str]:
+        policy = make_policy(name, seed=3)
+        replicas = fleet(0, 1, 1)
+        out = []
+        for k, text in enumerate(texts * 3):
+            req = request(8, first=10 * k, text=text if with_text else "")
+            d = policy.choose(req, replicas)
+            policy.on_routed(req, d)
+            out.append(d.replica)
+            replicas[0].in_flight, replicas[1].in_flight = 1, 0  # r0 got the first: r1 is least loaded
+        return out
+
+    for name, cls in POLICIES.items():
+        if not cls.needs_text:
+            assert picks(name, True) == picks(name, False), name
+    assert {name for name, cls in POLICIES.items() if cls.needs_text} == {"sglang_cache_aware"}
+    assert picks("sglang_cache_aware", True) != picks("sglang_cache_aware", False)
 
 
 def test_bounded_load_keeps_the_least_loaded_eligible() -> None:

@@ -63,6 +63,7 @@ import statistics
 from collections.abc import Sequence
 
 from .base import Decision, Policy, ReplicaState, RouteRequest
+from .fleet_signals import FleetSignals
 from .sessions import SessionBook
 
 EPSILON = 1.0
@@ -76,6 +77,9 @@ STARVE_WINDOW = 8.0
 SESSION_RATIO = 1.25
 SESSION_SLACK_S = 0.05
 MAX_SESSIONS = 100_000
+QUEUED_BEHIND = 3.0  # rho / (1 - rho) at rho = 0.75
+SIGNAL_TAU_S = 30.0
+MAX_PREFIX_KEYS = 100_000
 
 
 class CostModelPolicy(Policy):
@@ -98,6 +102,9 @@ class CostModelPolicy(Policy):
         session_ratio: float = SESSION_RATIO,
         session_slack_s: float = SESSION_SLACK_S,
         max_sessions: int = MAX_SESSIONS,
+        queued_behind: float = QUEUED_BEHIND,
+        signal_tau_s: float = SIGNAL_TAU_S,
+        evict: bool = True,
         seed: int = 0,
     ):
         """Tunables (defaults in the module constants; the module docstring says why):
@@ -141,6 +148,9 @@ class CostModelPolicy(Policy):
         self.session_ratio = session_ratio
         self.session_slack_s = session_slack_s
         self.sessions = SessionBook(max_sessions, session_idle_s)
+        self.queued_behind = queued_behind
+        self.evict = evict
+        self.signals = FleetSignals(signal_tau_s, MAX_PREFIX_KEYS)
         self._decisions = 0
         self._last_pick: dict[str, int] = {}  # replica -> decision number of its last pick
 
@@ -151,14 +161,34 @@ class CostModelPolicy(Policy):
     def rate_of(self, r: ReplicaState) -> float:
         return r.prefill_rate if r.prefill_rate > 0 else self.default_prefill_rate
 
-    def est_ttft(self, req: RouteRequest, r: ReplicaState, rate: float | None = None) -> float:
-        """Estimated seconds to the first token on ``r`` (``rate``: that replica's own if None)."""
+    def est_ttft(self, req: RouteRequest, r: ReplicaState, rate: float | None = None, behind: float = 0.0) -> float:
+        """Estimated cost in seconds of sending ``req`` to ``r`` (``rate``: that replica's own if
+        None): its wait and own prefill, plus the delay its prefill and the prefill of what it
+        evicts cause the ``behind`` requests expected to queue after it."""
         uncached = max(0, req.prompt_tokens - self.matched_blocks(req, r.name) * req.block_size)
         queued = r.queued_prefill_tokens
         steps = 1 + (queued + uncached) // self.step_token_budget
         decoding = max(r.in_flight, r.running)
-        work = queued + self.own_work_weight * uncached + self.decode_weight * decoding * steps
+        own = uncached
+        if self.evict and r.cached_blocks is not None and r.capacity_blocks > 0:
+            free = max(0, r.capacity_blocks - r.cached_blocks) * req.block_size
+            own += self.signals.reuse.value * max(0, uncached - free)
+        weight = self.own_work_weight * (1.0 + behind)
+        work = queued + weight * own + self.decode_weight * decoding * steps
         return work / (self.rate_of(r) if rate is None else rate)
+
+    def behind(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> float:
+        """Requests expected to queue behind this one's prefill; 0 for a hot prefix, whose
+        traffic is more than its holders serve at a fair share each (copies are wanted)."""
+        signals = self.signals
+        held = min(max(req.matches.values(), default=0), len(req.chain))
+        key = req.chain[held - 1] if held > 0 else None
+        signals.heat.record(key, req.now)
+        if key is not None:
+            holders = sum(1 for r in replicas if min(req.matches.get(r.name, 0), len(req.chain)) >= held)
+            if signals.heat.share(key, req.now) * len(replicas) > holders:
+                return 0.0
+        return self.queued_behind
 
     def load_bound(self, replicas: Sequence[ReplicaState]) -> int:
         total = sum(r.in_flight for r in replicas)
@@ -177,15 +207,17 @@ class CostModelPolicy(Policy):
         key = req.session_key
         if key is not None:
             self.sessions.expire(req.now)
+        self.signals.observe(req)
+        behind = self.behind(req, replicas)
         if n == 1:
             only = replicas[0].name
             return self._decided(req, only, "cache" if self.matched_blocks(req, only) else "load")
 
         if self.per_replica_rates:
-            cost = [self.est_ttft(req, r) for r in replicas]
+            cost = [self.est_ttft(req, r, behind=behind) for r in replicas]
         else:
             pooled = statistics.median(self.rate_of(r) for r in replicas)
-            cost = [self.est_ttft(req, r, pooled) for r in replicas]
+            cost = [self.est_ttft(req, r, pooled, behind) for r in replicas]
 
         def rank(i: int) -> tuple[float, int, int]:
             return (cost[i], replicas[i].in_flight, (i - turn) % n)
