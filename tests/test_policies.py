@@ -549,7 +549,7 @@ def test_cost_model_session_hint_within_bounds_and_beyond() -> None:
     for r in replicas:
         r.queued_prefill_tokens = 0 if r.name == new_home else 200
     assert policy.choose(request(first=700, session="s"), replicas).replica == new_home
-    by_name[new_home].in_flight = 9  # bound = max(ceil(2 * 13 / 4), 4) = 7
+    by_name[new_home].in_flight = 12  # bound = max(ceil(3 * 16 / 4), 4) = 12: the home would be at 13
     d = policy.choose(request(first=800, session="s"), replicas)
     assert d.replica != new_home and d.reason == "balance"
 
@@ -583,7 +583,7 @@ def test_session_book_counts_active_sessions() -> None:
 
 def test_cost_model_feeds_a_starved_replica() -> None:
     # r0..r2 hold the hot prefix, r3 holds nothing and is never the cheapest.
-    replicas = fleet(6, 6, 6, 0)  # bound = max(ceil(2 * 19 / 4), 4) = 10: all qualify
+    replicas = fleet(6, 6, 6, 0)  # bound = max(ceil(3 * 19 / 4), 4) = 15: all qualify
     hot = {"r0": 8, "r1": 8, "r2": 8}
     policy = make_policy("cost_model")
     picks = [policy.choose(request(matches=hot), replicas) for _ in range(80)]

@@ -12,5 +12,6 @@ class GreedyTtftPolicy(CostModelPolicy):
 
     def __init__(self, **options: object):
         options.setdefault("queued_behind", 0.0)
+        options.setdefault("epsilon", 1.0)
         options.setdefault("evict", False)
         super().__init__(**options)  # type: ignore[arg-type]
