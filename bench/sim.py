@@ -312,11 +312,7 @@ class FleetSim:
             text=text_proxy(req.tokens()) if self.policy.needs_text else "",
             now=self.now,
         )
-        index = self.index
-        replicas = [
-            snapshot(name, self.tracker, e.num_running, e.num_gpu_blocks, drive(index.entry_count(name)))
-            for name, e in zip(self.names, self.engines)
-        ]
+        replicas = [snapshot(name, self.tracker, e.num_running) for name, e in zip(self.names, self.engines)]
         # the router's own sequence (router/placement.py), on the memory index with virtual time
         decision = drive(self.placement.place(route, replicas, req.request_id))
         matches = route.matches

@@ -28,11 +28,8 @@ class Predictions(Protocol):
     def record_prediction(self, replica: str, chain: Sequence[int]) -> None: ...
 
 
-def snapshot(
-    name: str, load: LoadTracker, running: int, capacity_blocks: int = 0, cached_blocks: int | None = None
-) -> ReplicaState:
-    """A replica as the policy sees it for one decision: this router's load and the engine's count
-    (and, when the caller knows them, its KV capacity and the index's count of what it holds)."""
+def snapshot(name: str, load: LoadTracker, running: int) -> ReplicaState:
+    """A replica as the policy sees it for one decision: this router's load and the engine's count."""
     own = load.state(name)
     return ReplicaState(
         name=name,
@@ -40,8 +37,6 @@ def snapshot(
         queued_prefill_tokens=own.queued_prefill_tokens,
         running=running,
         prefill_rate=own.prefill_rate,
-        capacity_blocks=capacity_blocks,
-        cached_blocks=cached_blocks,
     )
 
 

@@ -23,10 +23,6 @@ class ReplicaState:
     queued_prefill_tokens: int = 0  # uncached prompt tokens routed there, first token not yet back
     running: int = 0  # vllm:num_requests_running (scraped: other routers' requests show here)
     prefill_rate: float = 0.0  # tokens/s, learned online; 0 = unknown yet
-    # The KV cache's size and fill (for the cost of evicting): capacity in blocks (0 = unknown)
-    # and the blocks the index holds for the replica (None = unknown).
-    capacity_blocks: int = 0
-    cached_blocks: int | None = None
 
 
 @dataclass

@@ -3,36 +3,38 @@
 The cost, for each eligible replica r holding m_r leading blocks of a P-token prompt:
 
     uncached_r = P - m_r * block_size
-    evicted_r  = uncached_r beyond r's free KV space (0 while the cache has room)
-    cost_r     = (queued_prefill_tokens_r
-                  + own_work_weight * (1 + behind) * (uncached_r + reuse * evicted_r)
+    cost_r     = (queued_prefill_tokens_r + own_work_weight * (1 + behind) * uncached_r
                   + decode_weight * decoding_r * steps_r) / prefill_rate
 
-Figures below: ``kvroute sim``, seed 0, the default 75% load; reuse as delivered / available.
+Figures below: ``kvroute sim``, 8 replicas, seed 0, the default 75% load; reuse as delivered /
+available; "greedy" is this request's TTFT alone (``greedy_ttft``, the default until 2026-12).
 
 - This request waits for the work queued ahead of it and for its own prefill.  Its prefill also
   delays the requests that will queue behind it: ``behind`` of them, rho / (1 - rho) for a queue
   at utilisation rho, 3 at the 75% a fleet is run at.  So a request leaves the replica holding
-  its prefix only when that replica's queue costs more than the fleet pays for a second copy
-  (Preble's exploit-unless-overloaded, priced).  Trace, 8 replicas: 27.5% -> 35.9% of the
-  available reuse (sglang_cache_aware 33.7%; a single fleet-wide LRU of the same total size
-  would keep 36.7%), TTFT p50 108 -> 100 ms, p90 and p99 within 0.5%.  Sessions: 94.6% -> 98.8%,
-  p99 644 -> 639 ms.  ``behind`` is a constant, not a measured rho: the share of busy replicas
+  its prefix only when that replica's queue costs more than the fleet pays for a second copy.
+  Trace: 27.5% -> 36.7% of the available reuse (sglang_cache_aware 33.7%; one fleet-wide LRU of
+  the same total size would keep 36.7%), TTFT p50 108 -> 99 ms, p90 and p99 no worse; sessions:
+  94.6% -> 98.8%.  ``behind`` is a constant, not a measured rho: the share of busy replicas
   (about 0.5 on sessions) gave behind = 1, and was worse on all four figures than 3 (sessions,
-  1,000 requests: 97.0% vs 99.2%, p50/p90/p99 61/337/883 vs 48/316/771 ms): copies made by a
+  1,000 requests: 97.0% vs 99.2%, p50/p90/p99 61/337/883 vs 48/316/771 ms): copies made at a
   low price add the work that lengthens everyone's queue.
+- Exploit or explore (Preble's E2): the price applies when the best holder holds at least half
+  the prompt; a request whose new part outweighs its cached part (a new conversation sharing a
+  system prompt) is placed by its own TTFT.  Without this, first turns of long conversations
+  queued behind 10k tokens to save a 3k-token system prompt: conversation p90/p99 394/1341 ->
+  375/1156 ms (trace: 36.7% -> 35.4%, p50 99 -> 105 ms, p90/p99 within 0.6%).
 - A hot prefix is replicated: when its share of the recent requests (decayed over
   ``signal_tau_s``: sustained traffic, not one busy moment) exceeds its holders' fair share
   (holders / n), ``behind`` is 0 for it and the plain TTFT estimate builds copies as its
   holders queue.  Without this rule one shared document waits on its first holder (handbook,
   1,000 requests: p99 245 ms, with it 99 ms).  The rule also covers a cold start: with little
   traffic seen every prefix counts as hot, so copies are built while nobody queues behind them.
-- Eviction: prefill beyond a replica's free KV space evicts blocks, which later requests find
-  with the probability ``reuse``, the share of recent prompt tokens some replica held; re-
-  computing them costs like any prefill.  A replica with room (just back from a restart, or
-  new) is thus cheaper for fresh work.  Trace, 8 replicas: 34.9% -> 35.9%, p90 1.85 -> 1.80 s.
-  Needs ``ReplicaState.capacity_blocks`` and ``cached_blocks`` (the index's entry count); with
-  either unknown the term is 0.
+- Not priced: evicting what later requests would hit.  Charging fresh prefill beyond a
+  replica's free KV space (capacity minus the index's entry count) at the fleet's recent hit
+  share gained a point on the trace but lost 1.3 on conversation and, once the session bound
+  loosened, sent sessions to whichever full replica's count dipped (sessions 96.3% vs 99.5%,
+  imbalance 1.25): in steady state every cache is full and the difference is noise.
 - ``decode_penalty`` is small on purpose.  With chunked prefill every engine step also advances
   each running sequence by one token, so during the ``steps_r = 1 + work_r // step_token_budget``
   steps before our first token the ``decoding_r`` running sequences add work.
@@ -56,12 +58,16 @@ The choice:
    more than the few ms a longer decode batch adds; it stops pile-ups, not fluctuations (twice
    the mean broke sessions whose replica held a dozen decodes: sessions 98.8% -> 99.7% at 3x,
    p90 268 -> 263 ms).  The floor keeps it quiet at low load.
-2. New sessions (a session key never seen, or forgotten) are placed under a second bound, on
-   *active* sessions per replica (a session is active for ``session_idle_s`` after its last
-   request): ``active + 1 <= ceil((1 + session_epsilon) * (total_active + 1) / n)``.  A session's
-   later turns follow it, so this is where the fleet's long-run balance is decided; within the
-   bound the cost still prefers a replica holding the shared system prompt.  A replica back
-   from a restart has no active sessions: it takes the next new ones.
+2. New sessions (a session key never seen, or forgotten) are placed on *active* sessions per
+   replica (a session is active for ``session_idle_s`` after its last request): a replica short
+   of sessions (fewer than mean / (1 + session_epsilon); one back from a restart, which holds
+   none) takes them first; none may exceed ``ceil((1 + session_epsilon) * (total_active + 1) /
+   n)``.  A session's later turns follow it, so this is where the fleet's long-run balance is
+   decided; within the bounds the cost prefers a replica holding the shared system prompt.
+   session_epsilon = 1: the exact mean (0) ignored 12k-token system prompts (conversation:
+   84.0% -> 87.5%, p50/p90/p99 54/375/1156 -> 51/334/1022 ms; sessions unchanged); without the
+   floor an idle replica back from a restart got no new session while the cost preferred the
+   holders of the system prompt.
 3. Argmin of the cost over the qualifying replicas; ties go to fewer requests in flight, then
    rotate.  A request with no match anywhere thus goes to the least work.
 4. Starvation: bounded loads still let up to n * eps / (1 + eps) replicas sit idle next to the
@@ -73,7 +79,7 @@ The choice:
    cost is within ``session_ratio * best + session_slack_s``, it keeps the session (the index
    may have lost or not yet learnt what it holds).  At most ``max_sessions`` are remembered (LRU).
 
-``greedy_ttft`` is this policy without ``behind``, the eviction term and with epsilon = 1: the
+``greedy_ttft`` is this policy with ``behind`` = 0, epsilon = 1 and session_epsilon = 0: the
 estimate of this request's TTFT alone, the default until the fleet was priced.
 
 Reasons: "cache" (the argmin holds a prefix), "load" (the argmin holds none: least work),
@@ -88,12 +94,12 @@ import statistics
 from collections.abc import Sequence
 
 from .base import Decision, Policy, ReplicaState, RouteRequest
-from .fleet_signals import FleetSignals
+from .prefix_heat import PrefixHeat
 from .sessions import SessionBook
 
 EPSILON = 2.0
 BOUND_FLOOR = 4
-SESSION_EPSILON = 0.0
+SESSION_EPSILON = 1.0
 SESSION_IDLE_S = 120.0
 OWN_WORK_WEIGHT = 1.0
 DECODE_WEIGHT = 4.0
@@ -129,21 +135,21 @@ class CostModelPolicy(Policy):
         max_sessions: int = MAX_SESSIONS,
         queued_behind: float = QUEUED_BEHIND,
         signal_tau_s: float = SIGNAL_TAU_S,
-        evict: bool = True,
+        explore: bool = True,
         seed: int = 0,
     ):
         """Tunables (defaults in the module constants; the module docstring says why):
 
         epsilon: in-flight bound, (1 + epsilon) x the mean (2.0).
         bound_floor: in-flight count a replica may always reach (4).
-        session_epsilon: active-session bound for placing new sessions (0.0: at most the
-            rounded-up mean); None disables the rule.
+        session_epsilon: active-session bounds for placing new sessions (1.0: at most twice the
+            mean, replicas under half of it first); None disables the rule.
         session_idle_s: a session stays active this long after its last request (120 s).
         own_work_weight: weight of the request's own uncached prefill against queued work (1.0).
         queued_behind: requests expected to queue behind a placement's prefill (3.0); 0 prices
             this request's TTFT alone.
-        signal_tau_s: time constant of the fleet signals (reuse share, prefix traffic) (30 s).
-        evict: price the eviction a placement causes, where capacity and fill are known (True).
+        signal_tau_s: time constant of the prefix traffic shares (30 s).
+        explore: no fleet price for a request whose best holder has less than half of it (True).
         decode_weight: prompt-token cost of one running sequence per engine step (4.0).
         step_token_budget: tokens per engine step, vLLM's max_num_batched_tokens (8192).
         default_prefill_rate: tokens/s for replicas with no learned rate (None: the
@@ -178,8 +184,8 @@ class CostModelPolicy(Policy):
         self.session_slack_s = session_slack_s
         self.sessions = SessionBook(max_sessions, session_idle_s)
         self.queued_behind = queued_behind
-        self.evict = evict
-        self.signals = FleetSignals(signal_tau_s, MAX_PREFIX_KEYS)
+        self.explore = explore
+        self.heat = PrefixHeat(signal_tau_s, MAX_PREFIX_KEYS)
         self._decisions = 0
         self._last_pick: dict[str, int] = {}  # replica -> decision number of its last pick
 
@@ -192,30 +198,28 @@ class CostModelPolicy(Policy):
 
     def est_ttft(self, req: RouteRequest, r: ReplicaState, rate: float | None = None, behind: float = 0.0) -> float:
         """Estimated cost in seconds of sending ``req`` to ``r`` (``rate``: that replica's own if
-        None): its wait and own prefill, plus the delay its prefill and the prefill of what it
-        evicts cause the ``behind`` requests expected to queue after it."""
+        None): its wait and own prefill, plus the delay its prefill causes the ``behind``
+        requests expected to queue after it."""
         uncached = max(0, req.prompt_tokens - self.matched_blocks(req, r.name) * req.block_size)
         queued = r.queued_prefill_tokens
         steps = 1 + (queued + uncached) // self.step_token_budget
         decoding = max(r.in_flight, r.running)
-        own = uncached
-        if self.evict and r.cached_blocks is not None and r.capacity_blocks > 0:
-            free = max(0, r.capacity_blocks - r.cached_blocks) * req.block_size
-            own += self.signals.reuse.value * max(0, uncached - free)
         weight = self.own_work_weight * (1.0 + behind)
-        work = queued + weight * own + self.decode_weight * decoding * steps
+        work = queued + weight * uncached + self.decode_weight * decoding * steps
         return work / (self.rate_of(r) if rate is None else rate)
 
     def behind(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> float:
         """Requests expected to queue behind this one's prefill; 0 for a hot prefix, whose
         traffic is more than its holders serve at a fair share each (copies are wanted)."""
-        signals = self.signals
+        heat = self.heat
         held = min(max(req.matches.values(), default=0), len(req.chain))
         key = req.chain[held - 1] if held > 0 else None
-        signals.heat.record(key, req.now)
+        heat.record(key, req.now)
+        if self.explore and 2 * held * req.block_size < req.prompt_tokens:
+            return 0.0
         if key is not None:
             holders = sum(1 for r in replicas if min(req.matches.get(r.name, 0), len(req.chain)) >= held)
-            if signals.heat.share(key, req.now) * len(replicas) > holders:
+            if heat.share(key, req.now) * len(replicas) > holders:
                 return 0.0
         return self.queued_behind
 
@@ -224,9 +228,12 @@ class CostModelPolicy(Policy):
         mean_with_new = (total + 1) / len(replicas)
         return max(math.ceil((1 + self.epsilon) * mean_with_new - 1e-9), self.bound_floor)
 
-    def session_bound(self, replicas: Sequence[ReplicaState], epsilon: float) -> int:
+    def session_bounds(self, replicas: Sequence[ReplicaState], epsilon: float) -> tuple[float, int]:
+        """(floor, bound) on active sessions: below the floor a replica is short of sessions,
+        above the bound it may take no new one."""
         total = sum(self.sessions.active(r.name) for r in replicas)
-        return math.ceil((1 + epsilon) * (total + 1) / len(replicas) - 1e-9)
+        mean = total / len(replicas)
+        return mean / (1 + epsilon), math.ceil((1 + epsilon) * (total + 1) / len(replicas) - 1e-9)
 
     # -- the choice ----------------------------------------------------------------------------
     def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
@@ -236,7 +243,6 @@ class CostModelPolicy(Policy):
         key = req.session_key
         if key is not None:
             self.sessions.expire(req.now)
-        self.signals.observe(req)
         behind = self.behind(req, replicas)
         if n == 1:
             only = replicas[0].name
@@ -255,9 +261,12 @@ class CostModelPolicy(Policy):
         allowed = [i for i, r in enumerate(replicas) if r.in_flight + 1 <= bound]
         home = self.sessions.home(key) if key is not None else None
         if key is not None and home is None and self.session_epsilon is not None:
-            # A new session: its later turns follow it, so place it where sessions are few.
-            limit = self.session_bound(replicas, self.session_epsilon)
-            allowed = [i for i in allowed if self.sessions.active(replicas[i].name) + 1 <= limit] or allowed
+            # A new session: its later turns follow it, so it goes where sessions are few: to a
+            # replica short of them if any (one back from a restart), never over the bound.
+            floor, limit = self.session_bounds(replicas, self.session_epsilon)
+            active = [self.sessions.active(replicas[i].name) for i in allowed]
+            short = [i for i, a in zip(allowed, active) if a < floor]
+            allowed = short or [i for i, a in zip(allowed, active) if a + 1 <= limit] or allowed
         if self.starve_window > 0 and bound > self.bound_floor:
             horizon = turn - self.starve_window * n
             last = self._last_pick

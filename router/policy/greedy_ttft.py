@@ -13,5 +13,5 @@ class GreedyTtftPolicy(CostModelPolicy):
     def __init__(self, **options: object):
         options.setdefault("queued_behind", 0.0)
         options.setdefault("epsilon", 1.0)
-        options.setdefault("evict", False)
+        options.setdefault("session_epsilon", 0.0)
         super().__init__(**options)  # type: ignore[arg-type]
