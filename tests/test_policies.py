@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from router.policy import ALL, BASELINES, POLICIES, Policy, ReplicaState, RouteRequest, make_policy
 from router.policy.chwbl import ChwblPolicy, load_ok
 from router.policy.cost_model import CostModelPolicy, SessionBook
+from router.policy.prefix_heat import PrefixHeat
 from router.policy.sglang_cache_aware import ApproxRadixTree, SglangCacheAwarePolicy, shared_prefix_len
 
 BS = 16
@@ -433,6 +434,20 @@ def test_cost_model_explores_when_the_new_part_outweighs_the_cached_one() -> Non
     replicas[0].queued_prefill_tokens = 1500  # 1500 + 256 > 1024: greedy would leave
     assert make_policy("greedy_ttft").choose(most, replicas).replica != "r0"
     assert policy.choose(most, replicas).replica == "r0"
+
+
+def test_prefix_heat_keeps_sustained_traffic_and_forgets_a_burst() -> None:
+    heat = PrefixHeat(tau_s=30.0, max_keys=4)
+    for _ in range(10):  # a burst of "a" at t = 0
+        heat.record(1, 0.0)
+    assert heat.share(1, 0.0) == 1.0
+    for k in range(300):  # then five minutes where every other request carries "b"
+        heat.record(2 if k % 2 else None, float(k))
+    assert heat.share(1, 300.0) < 0.01
+    assert 0.4 < heat.share(2, 300.0) < 0.6
+    for key in range(10, 14):  # more keys than it keeps: the least recent goes
+        heat.record(key, 300.0)
+    assert heat.share(2, 300.0) == 0.0 and heat.share(13, 300.0) > 0
 
 
 def test_cost_model_replicates_a_prefix_whose_traffic_outgrows_its_holders() -> None:

@@ -209,8 +209,9 @@ class CostModelPolicy(Policy):
         return work / (self.rate_of(r) if rate is None else rate)
 
     def behind(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> float:
-        """Requests expected to queue behind this one's prefill; 0 for a hot prefix, whose
-        traffic is more than its holders serve at a fair share each (copies are wanted)."""
+        """Requests expected to queue behind this one's prefill, as the fleet's price of a copy;
+        0 (no price) when the best holder has less than half the prompt (explore), and for a hot
+        prefix, whose traffic is more than its holders serve at a fair share each."""
         heat = self.heat
         held = min(max(req.matches.values(), default=0), len(req.chain))
         key = req.chain[held - 1] if held > 0 else None

@@ -10,8 +10,12 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
+
 class PrefixHeat:
-    """Decayed request counts per prefix key and for the whole fleet (``max_keys`` kept, LRU)."""
+    """Decayed request counts per prefix key and for the whole fleet (``max_keys`` kept, LRU).
+
+    The cost model's key for a request is the last block of the longest prefix some replica
+    holds: the prefix the request would reuse."""
 
     def __init__(self, tau_s: float, max_keys: int):
         self.tau_s = tau_s
