@@ -13,17 +13,19 @@ available; "greedy" is this request's TTFT alone (``greedy_ttft``, the default u
   delays the requests that will queue behind it: ``behind`` of them, rho / (1 - rho) for a queue
   at utilisation rho, 3 at the 75% a fleet is run at.  So a request leaves the replica holding
   its prefix only when that replica's queue costs more than the fleet pays for a second copy.
-  Trace: 27.5% -> 36.7% of the available reuse (sglang_cache_aware 33.7%; one fleet-wide LRU of
-  the same total size would keep 36.7%), TTFT p50 108 -> 99 ms, p90 and p99 no worse; sessions:
-  94.6% -> 98.8%.  ``behind`` is a constant, not a measured rho: the share of busy replicas
-  (about 0.5 on sessions) gave behind = 1, and was worse on all four figures than 3 (sessions,
-  1,000 requests: 97.0% vs 99.2%, p50/p90/p99 61/337/883 vs 48/316/771 ms): copies made at a
-  low price add the work that lengthens everyone's queue.
+  Final rules against greedy: trace 27.5% -> 34.9% of the available reuse (sglang_cache_aware
+  33.7%; one fleet-wide LRU of the same total size would keep 36.7%), TTFT p50 108 -> 98 ms,
+  p90/p99 1.80/3.73 -> 1.85/3.78 s; sessions 94.6% -> 99.4%, p90 269 -> 256 ms.  ``behind`` is
+  a constant, not a measured rho: the share of busy replicas (about 0.5 on sessions) gave
+  behind = 1, and was worse on all four figures than 3 (sessions, 1,000 requests: 97.0% vs
+  99.2%, p50/p90/p99 61/337/883 vs 48/316/771 ms): copies made at a low price add the work that
+  lengthens everyone's queue.
 - Exploit or explore (Preble's E2): the price applies when the best holder holds at least half
   the prompt; a request whose new part outweighs its cached part (a new conversation sharing a
   system prompt) is placed by its own TTFT.  Without this, first turns of long conversations
   queued behind 10k tokens to save a 3k-token system prompt: conversation p90/p99 394/1341 ->
-  375/1156 ms (trace: 36.7% -> 35.4%, p50 99 -> 105 ms, p90/p99 within 0.6%).
+  375/1156 ms when added (with the final session bounds 351/1127 -> 346/1070 ms, sessions p99
+  634 -> 697 ms, trace unchanged).
 - A hot prefix is replicated: when its share of the recent requests (decayed over
   ``signal_tau_s``: sustained traffic, not one busy moment) exceeds its holders' fair share
   (holders / n), ``behind`` is 0 for it and the plain TTFT estimate builds copies as its
@@ -65,9 +67,9 @@ The choice:
    n)``.  A session's later turns follow it, so this is where the fleet's long-run balance is
    decided; within the bounds the cost prefers a replica holding the shared system prompt.
    session_epsilon = 1: the exact mean (0) ignored 12k-token system prompts (conversation:
-   84.0% -> 87.5%, p50/p90/p99 54/375/1156 -> 51/334/1022 ms; sessions unchanged); without the
-   floor an idle replica back from a restart got no new session while the cost preferred the
-   holders of the system prompt.
+   84.0% -> 87.5%, p50/p90/p99 54/375/1156 -> 51/334/1022 ms; sessions unchanged).  Without
+   the floor an idle replica back from a restart got no new session while the cost preferred
+   the holders of the system prompt; with it, conversation 87.1%, 52/346/1070 ms.
 3. Argmin of the cost over the qualifying replicas; ties go to fewer requests in flight, then
    rotate.  A request with no match anywhere thus goes to the least work.
 4. Starvation: bounded loads still let up to n * eps / (1 + eps) replicas sit idle next to the
