@@ -35,7 +35,9 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from .body import BodyReader
 from .config import RouterSettings, load_settings
+from .cutoff import RequestCutoff
 from .errors import ApiError, error_middleware, error_response
 from .fleet import Fleet, Replica, ReplicaStatus
 from .index.base import PrefixIndex
@@ -50,13 +52,15 @@ from .requests import Kind, decode_json_object, parse_request
 from .reconcile import EngineCacheCounters
 from .reuse import ReuseTracker
 from .routing import Router
+from .server import ClientAppRunner, ClientLimits
 from .tokens import ClientTemplates, TokenizerRegistry
 from .tokens.memory import keep_large_buffers_mapped
 
 log = logging.getLogger("kvroute.router")
 
 REQUEST_ID = web.RequestKey("request_id", str)
-_REQUEST_ID_OK = re.compile(r"^[\w.:@/+=-]{1,128}$")
+# ASCII only: \w would pass any Unicode letter, echoed back raw in a header
+_REQUEST_ID_OK = re.compile(r"[\w.:@/+=-]{1,128}", re.ASCII)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # A new request id is this process's random prefix and a counter: unique as a uuid4 per request
 # would be, without a getrandom syscall and a UUID object on every request.
@@ -72,7 +76,7 @@ def new_request_id() -> str:
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """X-Request-Id: the client's (if sane), else a new one; passed upstream and returned."""
     rid = request.headers.get("X-Request-Id", "")
-    if not _REQUEST_ID_OK.match(rid):
+    if not _REQUEST_ID_OK.fullmatch(rid):
         rid = new_request_id()
     request[REQUEST_ID] = rid
     resp = await handler(request)
@@ -103,6 +107,8 @@ class RouterApp:
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
+        self.cutoff = RequestCutoff()
+        self.bodies = BodyReader(settings.max_body_bytes, settings.max_body_reads, settings.retry_after_s)
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
         self._started = False
@@ -176,12 +182,17 @@ class RouterApp:
             await self.fleet.start()
             self._refresh_series()
             app = web.Application(
-                middlewares=[request_id_middleware, error_middleware], client_max_size=s.max_body_bytes
+                middlewares=[request_id_middleware, self.cutoff.middleware, error_middleware],
+                client_max_size=s.max_body_bytes,
             )
+            self.cutoff.attach(app)
             self._add_routes(app)
             # handler_cancellation: a client that disconnects cancels its handler, which closes the
             # upstream connection, so the engine stops generating for nobody
-            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            limits = ClientLimits(s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s)
+            self._runner = ClientAppRunner(
+                app, limits=limits, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+            )
             await self._runner.setup()
             site = web.TCPSite(self._runner, s.host, s.port, backlog=1024)
             await site.start()
@@ -365,15 +376,15 @@ class RouterApp:
         started = time.perf_counter()
         try:
             api_key = self._check_client(request)
+            raw = await self.bodies.read(request)  # before admission: a slow body holds no slot
             self._admit()
-        except ApiError as exc:  # 401, 429: counted, nothing else to undo
+        except (ApiError, web.HTTPException) as exc:  # 401, 408, 413, 429: counted, nothing to undo
             self.metrics.requests.labels("unknown", "none", str(exc.status)).inc()
             raise
         model_label = "unknown"
         try:
             rid = request[REQUEST_ID]
             try:
-                raw = await request.read()
                 parsed = parse_request(kind, raw)
                 model_label = self._model_label(parsed.request.model)
                 decision = await self.router.route(
@@ -418,11 +429,11 @@ class RouterApp:
     # -- pass-through -------------------------------------------------------------------------
     async def _passthrough(self, request: web.Request) -> web.StreamResponse:
         self._check_client(request)
+        raw = await self.bodies.read(request)
         self._admit()
         model_label = "unknown"
         outcome = Outcome()
         try:
-            raw = await request.read()
             body = decode_json_object(raw)
             model, replicas = self._passthrough_replicas(body.get("model"))
             model_label = model
@@ -492,7 +503,7 @@ class RouterApp:
         return web.json_response({"replicas": [asdict(st) for st in self._replica_status()]})
 
     async def _admin_body_replica(self, request: web.Request) -> str:
-        body = decode_json_object(await request.read())
+        body = decode_json_object(await self.bodies.read(request))
         name = body.get("replica")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "missing required parameter: 'replica'", param="replica", code="missing_required_parameter")
@@ -531,7 +542,8 @@ async def serve(settings: RouterSettings) -> None:
     try:
         await stop.wait()
         log.info("signal received: draining (%d in flight)", app.in_flight)
-        await app.drain()
+        if not await app.drain():
+            await app.cutoff.cut()  # the timeout passed: end what is left, then exit
     finally:
         await app.stop()
 

@@ -114,6 +114,16 @@ class RouterSettings(BaseSettings):
     )
     max_in_flight: int = Field(1024, gt=0, description="concurrent proxied requests (429 above)")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
+    max_body_reads: int = Field(
+        1024, gt=0, description="request bodies being received at once (503 above; a body sent whole is never refused)"
+    )
+
+    # -- clients ---------------------------------------------------------------------------
+    header_timeout_s: float = Field(
+        10.0, ge=0, description="accept (or a request's first byte) -> end of its headers; 408 and close (0: none)"
+    )
+    body_timeout_s: float = Field(30.0, ge=0, description="end of headers -> end of the body; 408 and close (0: none)")
+    keepalive_timeout_s: float = Field(75.0, gt=0, description="an idle client connection is closed after this")
 
     # -- security --------------------------------------------------------------------------
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(

@@ -12,10 +12,12 @@ OpenAI answer it (422 would make the SDK raise a different exception class for t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, ValidationError
 
 from .errors import ApiError
@@ -126,13 +128,37 @@ class ParsedRequest:
         return _encode.encode({**self.body, **additions})
 
 
+# Deepest JSON nesting accepted: real requests nest a few levels; msgspec itself would recurse
+# until Python's limit (a RecursionError, a 500) and every later walk of the body would too.
+MAX_JSON_DEPTH = 128
+_OPENERS_CLOSERS = b"[]{}"
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in _OPENERS_CLOSERS)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True if ``raw`` nests arrays/objects deeper than ``limit`` (brackets inside strings do not count).
+
+    C-speed for any size: a body with at most ``limit`` brackets cannot be deeper (two counts);
+    otherwise strings are cut out (a regex), the brackets kept (``bytes.translate``) and their
+    running depth taken with numpy."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    # '[' 0x5B and '{' 0x7B have bit 1 set, ']' 0x5D and '}' 0x7D do not: +1 / -1
+    steps = (np.frombuffer(brackets, dtype=np.uint8) & 2).astype(np.int32) - 1
+    return bool(steps.size) and int(np.cumsum(steps).max()) > limit
+
+
 def decode_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a 400."""
     if not raw:
         raise ApiError(400, "request body is empty: a JSON object is required", code="invalid_json")
+    if json_depth_exceeds(raw):
+        raise ApiError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
         body = _decode.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")

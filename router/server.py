@@ -1,0 +1,241 @@
+"""The router's HTTP server: aiohttp's, with the client-side limits a public proxy needs.
+
+aiohttp's server has a keep-alive timeout but none on reading a request's head or body, so a
+client that sends its headers (slowloris) or its body a byte at a time holds a connection, and a
+handler, for as long as it likes.  ``ClientHandler`` (a subclass of aiohttp's per-connection
+protocol) adds, as nginx and Envoy do:
+
+- a header timeout: from the connection's accept, or the first byte of a later request, to the
+  end of its head.  A client that sent part of a head gets a 408 (OpenAI's error shape), one that
+  sent nothing is closed silently (nginx's ``client_header_timeout``);
+- a body timeout: from the end of the head to the end of the body, in total (a per-read timeout
+  would let a client trickle a byte every few seconds forever).  The handler reading the body gets
+  a 408 and the connection closes;
+- the keep-alive timeout between requests (aiohttp's own, set from the settings).
+
+It also answers the HTTP parser's errors (oversized request line or headers, Content-Length with
+Transfer-Encoding, bad chunking, a non-HTTP client) in OpenAI's error shape with their proper
+status, instead of aiohttp's text/plain 400, and a body the parser rejects half-way fails the
+handler reading it (a 400) rather than leaving it waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
+from aiohttp.web_server import Server
+
+from .errors import ApiError, error_body, error_response
+
+log = logging.getLogger("kvroute.router")
+
+@dataclass(frozen=True)
+class ClientLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    keepalive_timeout_s: float
+    # called with "header" or "body" each time a client is cut for being slow (a metric)
+    on_timeout: Callable[[str], None] | None = None
+
+
+def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 error response, for when no request object exists yet (a head timed out)."""
+    body = msgspec.json.encode(error_body(message, status, code=code))
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def parser_error(exc: BaseException | None, message: str | None) -> tuple[int, str, str]:
+    """(status, code, message) for an error of aiohttp's HTTP parser."""
+    text = message or (exc.message if isinstance(exc, BadHttpMessage) else "")
+    if isinstance(exc, LineTooLong):
+        # the request line is the only thing aiohttp buffers in a bytearray; header fields are bytes
+        if isinstance(exc.args[0], bytearray):
+            return 414, "uri_too_long", "request line too long"
+        return 431, "request_header_fields_too_large", "request header field too large"
+    if "Too many headers" in text:
+        return 431, "request_header_fields_too_large", "too many request header fields"
+    return 400, "invalid_http_request", f"malformed HTTP request: {_first_line(text)}"
+
+
+class ClientHandler(RequestHandler):
+    """One client connection: aiohttp's protocol plus header/body timeouts and JSON parser errors."""
+
+    __slots__ = ("_limits", "_head_timer", "_head_bytes", "_body", "_body_timer")
+
+    def __init__(self, manager: Server, *, limits: ClientLimits, **kwargs: Any):
+        super().__init__(manager, keepalive_timeout=limits.keepalive_timeout_s, **kwargs)
+        self._limits = limits
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = False  # bytes of a head not yet complete have arrived
+        self._body: StreamReader | None = None  # the body being received
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    # -- timers -------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm_head()  # from the accept, as nginx does: a client that says nothing is cut too
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_head()
+        self._cancel_body()
+        super().connection_lost(exc)
+
+    def _arm_head(self) -> None:
+        if self._head_timer is None and self._limits.header_timeout_s > 0:
+            self._head_timer = self._loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        self._head_bytes = False
+
+    def _cancel_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        self._body = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._force_close or self._close:
+            return
+        if self._body is None and data:
+            self._arm_head()  # the first bytes of a new request (or more of its head)
+            self._head_bytes = True
+        before = self._request_count
+        super().data_received(data)
+        body = self._body
+        if body is not None and body.is_eof():
+            self._cancel_body()
+            body = None
+        elif body is not None and body.exception() is not None:
+            self._cancel_body()
+            self._stop_after_this()
+            return
+        if self._request_count == before:
+            return
+        # heads completed (or the parser failed): the last one decides what comes next
+        self._cancel_head()
+        msg, payload = self._messages[-1]
+        if isinstance(msg, _ErrInfo):
+            if body is not None:  # the parser failed inside this body: fail its reader, serve nothing after
+                self._fail_body(body, ApiError(400, f"malformed request body: {_first_line(msg.message)}",
+                                               code="invalid_request_body"))
+            return
+        if payload.exception() is not None:
+            self._stop_after_this()
+        elif not payload.is_eof():
+            self._body = payload
+            if self._limits.body_timeout_s > 0:
+                self._body_timer = self._loop.call_later(self._limits.body_timeout_s, self._body_timed_out)
+
+    def _stop_after_this(self) -> None:
+        """A body that failed to decode (corrupt gzip): its reader gets a 400; then close, without
+        aiohttp's reading the rest of it to discard it (it would log the error a second time)."""
+        self._lingering_time = 0.0
+        self.close()
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._force_close or self._close or self.transport is None:
+            return
+        if self._limits.on_timeout is not None:
+            self._limits.on_timeout("header")
+        if self._request_in_progress:
+            self.close()  # a pipelined head is late: finish the request being answered, then close
+            return
+        if self._head_bytes:
+            t = self._limits.header_timeout_s
+            self.transport.write(
+                _raw_error(408, "Request Timeout", f"request headers not received within {t:g} s", "request_timeout")
+            )
+        self.force_close()
+
+    def _body_timed_out(self) -> None:
+        body, self._body_timer = self._body, None
+        self._body = None
+        if body is None or body.is_eof() or self._force_close or self.transport is None:
+            return
+        if self._limits.on_timeout is not None:
+            self._limits.on_timeout("body")
+        t = self._limits.body_timeout_s
+        self._fail_body(body, ApiError(408, f"request body not received within {t:g} s", code="request_timeout"))
+
+    def _fail_body(self, body: StreamReader, exc: ApiError) -> None:
+        """The handler reading ``body`` gets ``exc`` (answered by the error middleware), then the
+        connection closes: the rest of that body is never read."""
+        self._cancel_body()
+        if not self._request_in_progress:  # nobody reads it (already answered): just close
+            self.force_close()
+            return
+        self._stop_after_this()
+        body.set_exception(exc)
+
+    # -- parser errors ------------------------------------------------------------------------
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's parser errors (and anything escaping a handler) in OpenAI's error shape."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started: cannot send an error response")
+        if status >= 500:
+            log.error("error handling request from %s", request.remote, exc_info=exc)
+            resp = error_response(status, "internal router error", code="internal_error")
+        else:
+            log.debug("malformed request from %s: %s", request.remote, exc)
+            status, code, text = parser_error(exc, message)
+            resp = error_response(status, text, code=code)
+        resp.force_close()
+        return resp
+
+
+def _first_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0][:200] if lines else "the HTTP parser rejected it"
+
+
+class _ClientServer(Server):
+    def __init__(self, *args: Any, limits: ClientLimits, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._limits = limits
+
+    def __call__(self) -> RequestHandler:
+        return ClientHandler(self, loop=self._loop, limits=self._limits, **self._kwargs)
+
+
+class ClientAppRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections are :class:`ClientHandler`\\ s."""
+
+    __slots__ = ("_limits",)
+
+    def __init__(self, app: web.Application, *, limits: ClientLimits, **kwargs: Any):
+        super().__init__(app, **kwargs)
+        self._limits = limits
+
+    async def _make_server(self) -> Server:
+        server = await super()._make_server()
+        return _ClientServer(
+            server.request_handler,
+            request_factory=server.request_factory,
+            handler_cancellation=server.handler_cancellation,
+            loop=server._loop,  # noqa: SLF001 - the loop aiohttp chose
+            limits=self._limits,
+            **server._kwargs,  # noqa: SLF001 - the handler options aiohttp assembled
+        )
