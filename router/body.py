@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from .errors import ApiError
+from .server import close_after_answer
 
 
 class BodyReader:
@@ -27,10 +28,12 @@ class BodyReader:
         """The whole body (decompressed), or an ApiError / 413 the error middleware renders."""
         length = request.content_length
         if length is not None and length > self.max_body_bytes:  # refused before reading a byte
+            close_after_answer(request)
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=length)
         if request.content.is_eof():  # arrived with the head: nothing to wait for
             return await self._read(request)
         if self.partial >= self.max_partial:
+            close_after_answer(request)
             raise ApiError(
                 503,
                 f"the router is receiving {self.partial} request bodies, its limit; retry shortly",
@@ -49,8 +52,5 @@ class BodyReader:
             return await request.read()  # aiohttp enforces client_max_size on the decompressed bytes
         except RequestPayloadError as exc:  # corrupt gzip/deflate, a broken chunked encoding
             cause = exc.__cause__ or exc
-            detail = getattr(cause, "message", "") or str(cause)
-            raise ApiError(
-                400, f"request body could not be read: {detail.strip().splitlines()[0][:200] if detail.strip() else 'malformed'}",
-                code="invalid_request_body",
-            ) from None
+            detail = (getattr(cause, "message", "") or str(cause)).strip().splitlines() or ["malformed"]
+            raise ApiError(400, f"request body could not be read: {detail[0][:200]}", code="invalid_request_body") from None

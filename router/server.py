@@ -11,7 +11,8 @@ protocol) adds, as nginx and Envoy do:
 - a body timeout: from the end of the head to the end of the body, in total (a per-read timeout
   would let a client trickle a byte every few seconds forever).  The handler reading the body gets
   a 408 and the connection closes;
-- the keep-alive timeout between requests (aiohttp's own, set from the settings).
+- the keep-alive timeout between requests (aiohttp's own, set from the settings); it ends, as
+  nginx's does, when the next request's first byte arrives.
 
 It also answers the HTTP parser's errors (oversized request line or headers, Content-Length with
 Transfer-Encoding, bad chunking, a non-HTTP client) in OpenAI's error shape with their proper
@@ -115,6 +116,9 @@ class ClientHandler(RequestHandler):
         if self._body is None and data:
             self._arm_head()  # the first bytes of a new request (or more of its head)
             self._head_bytes = True
+            if self._keepalive_handle is not None:  # no longer idle: the header timeout applies
+                self._keepalive_handle.cancel()
+                self._keepalive_handle = None
         before = self._request_count
         super().data_received(data)
         body = self._body
@@ -204,6 +208,14 @@ class ClientHandler(RequestHandler):
             resp = error_response(status, text, code=code)
         resp.force_close()
         return resp
+
+
+def close_after_answer(request: web.BaseRequest) -> None:
+    """This request's body will not be read (refused early): close the connection after the
+    answer instead of letting aiohttp read up to the whole declared body to discard it."""
+    protocol = request.protocol
+    if isinstance(protocol, ClientHandler):
+        protocol._stop_after_this()  # noqa: SLF001 - the module's own class
 
 
 def _first_line(text: str | None) -> str:
