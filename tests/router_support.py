@@ -229,3 +229,50 @@ class ScriptedReplica:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.runner.cleanup()
+
+
+class RouterProcess:
+    """``kvroute router`` in a child process on a free port: its own event loop, its RSS readable,
+    signals deliverable (``proc.send_signal``)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str):
+        self.proc = proc
+        self.url = url
+        self.port = int(url.rsplit(":", 1)[1])
+
+    @classmethod
+    async def start(cls, replica_urls: list[str], *args: str) -> RouterProcess:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0",
+            "--replicas", ",".join(replica_urls), "--tokenizer", TINY_TOKENIZER, "--log-level", "warning", *args,
+            stdout=asyncio.subprocess.PIPE, cwd=str(REPO),
+        )  # fmt: skip
+        assert proc.stdout is not None
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        except BaseException:
+            proc.kill()
+            await proc.wait()
+            raise
+        url = line.rsplit(" ", 1)[-1].strip()
+        if not url.startswith("http://"):
+            proc.kill()
+            await proc.wait()
+            raise RuntimeError(f"router process did not start: {line!r}")
+        return cls(proc, url)
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 15)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()

@@ -1,0 +1,48 @@
+"""The drain timeout is enforced: SIGTERM with a long stream and a long non-streamed request in
+flight, ``--drain-timeout-s 1``: the stream ends with an OpenAI error event and ``[DONE]``, the
+other request gets a 503 in OpenAI's shape, and the process exits about a second later, not when
+the generations would have ended (minutes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import aiohttp
+
+from tests.router_support import MODEL, RouterProcess, emulated_replicas
+
+DRAIN_S = 1.0
+
+
+def chat(stream: bool) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 20_000, "stream": stream}
+
+
+async def test_drain_timeout_ends_streams_and_requests_then_exits():
+    async with emulated_replicas(1, time_scale=1.0) as (rep,):
+        router = await RouterProcess.start([rep.url], "--drain-timeout-s", str(DRAIN_S))
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(router.url + "/v1/chat/completions", json=chat(True)) as streaming:
+                    assert streaming.status == 200
+                    await streaming.content.readline()
+                    whole = asyncio.create_task(s.post(router.url + "/v1/chat/completions", json=chat(False)))
+                    await asyncio.sleep(0.5)
+                    signalled = time.monotonic()
+                    router.proc.send_signal(signal.SIGTERM)
+                    rest = await asyncio.wait_for(streaming.read(), 30)
+                    ended = time.monotonic() - signalled
+                resp = await asyncio.wait_for(whole, 30)
+                assert resp.status == 503
+                assert (await resp.json())["error"]["code"] == "router_shutting_down"
+            events = [line[6:] for line in rest.decode().splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == "router_shutting_down"
+            assert DRAIN_S * 0.8 < ended < DRAIN_S + 5
+            assert await asyncio.wait_for(router.proc.wait(), DRAIN_S + 10) == 0
+            assert time.monotonic() - signalled < DRAIN_S + 5
+        finally:
+            await router.stop()
