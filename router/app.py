@@ -52,7 +52,7 @@ from .requests import Kind, decode_json_object, parse_request
 from .reconcile import EngineCacheCounters
 from .reuse import ReuseTracker
 from .routing import Router
-from .server import ClientAppRunner, ClientLimits
+from .server import ClientAppRunner, ClientLimits, announce_close
 from .tokens import ClientTemplates, TokenizerRegistry
 from .tokens.memory import keep_large_buffers_mapped
 
@@ -186,6 +186,7 @@ class RouterApp:
                 client_max_size=s.max_body_bytes,
             )
             self.cutoff.attach(app)
+            app.on_response_prepare.append(announce_close)
             self._add_routes(app)
             # handler_cancellation: a client that disconnects cancels its handler, which closes the
             # upstream connection, so the engine stops generating for nobody

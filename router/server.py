@@ -39,6 +39,9 @@ from .errors import ApiError, error_body, error_response
 
 log = logging.getLogger("kvroute.router")
 
+_LINGER_S = 2.0
+
+
 @dataclass(frozen=True)
 class ClientLimits:
     header_timeout_s: float
@@ -74,7 +77,7 @@ def parser_error(exc: BaseException | None, message: str | None) -> tuple[int, s
 class ClientHandler(RequestHandler):
     """One client connection: aiohttp's protocol plus header/body timeouts and JSON parser errors."""
 
-    __slots__ = ("_limits", "_head_timer", "_head_bytes", "_body", "_body_timer")
+    __slots__ = ("_limits", "_head_timer", "_head_bytes", "_body", "_body_timer", "_last_body")
 
     def __init__(self, manager: Server, *, limits: ClientLimits, **kwargs: Any):
         super().__init__(manager, keepalive_timeout=limits.keepalive_timeout_s, **kwargs)
@@ -83,6 +86,8 @@ class ClientHandler(RequestHandler):
         self._head_bytes = False  # bytes of a head not yet complete have arrived
         self._body: StreamReader | None = None  # the body being received
         self._body_timer: asyncio.TimerHandle | None = None
+        # the body of the request after whose answer the connection closes (see close_after)
+        self._last_body: StreamReader | None = None
 
     # -- timers -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -127,7 +132,7 @@ class ClientHandler(RequestHandler):
             body = None
         elif body is not None and body.exception() is not None:
             self._cancel_body()
-            self._stop_after_this()
+            self.close_after(body)
             return
         if self._request_count == before:
             return
@@ -140,17 +145,19 @@ class ClientHandler(RequestHandler):
                                                code="invalid_request_body"))
             return
         if payload.exception() is not None:
-            self._stop_after_this()
+            self.close_after(payload)
         elif not payload.is_eof():
             self._body = payload
             if self._limits.body_timeout_s > 0:
                 self._body_timer = self._loop.call_later(self._limits.body_timeout_s, self._body_timed_out)
 
-    def _stop_after_this(self) -> None:
-        """A body that failed to decode (corrupt gzip): its reader gets a 400; then close, without
-        aiohttp's reading the rest of it to discard it (it would log the error a second time)."""
+    def close_after(self, body: StreamReader) -> None:
+        """Close the connection once the request with this ``body`` is answered (its answer says
+        ``Connection: close``, see :func:`announce_close`), without reading the rest of the body
+        to discard it.  Not ``self.close()``: called while aiohttp's loop may be between two
+        requests, that would drop a request already queued without an answer."""
         self._lingering_time = 0.0
-        self.close()
+        self._last_body = body
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -158,15 +165,23 @@ class ClientHandler(RequestHandler):
             return
         if self._limits.on_timeout is not None:
             self._limits.on_timeout("header")
-        if self._request_in_progress:
-            self.close()  # a pipelined head is late: finish the request being answered, then close
+        if self._waiter is None or self._waiter.done():  # a request is being answered: look again after
+            self._arm_head()
             return
-        if self._head_bytes:
-            t = self._limits.header_timeout_s
-            self.transport.write(
-                _raw_error(408, "Request Timeout", f"request headers not received within {t:g} s", "request_timeout")
-            )
-        self.force_close()
+        if not self._head_bytes:
+            self.force_close()  # said nothing: nothing to answer
+            return
+        t = self._limits.header_timeout_s
+        self.transport.write(
+            _raw_error(408, "Request Timeout", f"request headers not received within {t:g} s", "request_timeout")
+        )
+        # A lingering close (nginx's): send FIN after the answer and ignore what the client still
+        # sends for a moment; closing at once with its bytes unread would send a reset instead,
+        # which can make the client's kernel drop the 408 before it is read.
+        self.close()  # idle (checked above): stops parsing and ends aiohttp's wait for a request
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._loop.call_later(_LINGER_S, self.force_close)
 
     def _body_timed_out(self) -> None:
         body, self._body_timer = self._body, None
@@ -179,14 +194,18 @@ class ClientHandler(RequestHandler):
         self._fail_body(body, ApiError(408, f"request body not received within {t:g} s", code="request_timeout"))
 
     def _fail_body(self, body: StreamReader, exc: ApiError) -> None:
-        """The handler reading ``body`` gets ``exc`` (answered by the error middleware), then the
-        connection closes: the rest of that body is never read."""
+        """The handler reading ``body`` (now or once it starts) gets ``exc``, answered by the error
+        middleware; then the connection closes: the rest of that body is never read."""
         self._cancel_body()
-        if not self._request_in_progress:  # nobody reads it (already answered): just close
-            self.force_close()
-            return
-        self._stop_after_this()
+        self.close_after(body)
         body.set_exception(exc)
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # aiohttp reading the rest of an answered request's body meets the error set above: expected
+        if isinstance(kw.get("exc_info"), ApiError):
+            log.debug("client connection closed: %s", kw["exc_info"].message)
+            return
+        super().log_exception(*args, **kw)
 
     # -- parser errors ------------------------------------------------------------------------
     def handle_error(
@@ -210,12 +229,21 @@ class ClientHandler(RequestHandler):
         return resp
 
 
+async def announce_close(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: an answer on a connection about to close says ``Connection: close``,
+    so that a client's pool does not send its next request into a closing socket."""
+    protocol = request.protocol
+    if isinstance(protocol, ClientHandler) and protocol._last_body is request.content:  # noqa: SLF001
+        response.force_close()
+        response.headers["Connection"] = "close"
+
+
 def close_after_answer(request: web.BaseRequest) -> None:
     """This request's body will not be read (refused early): close the connection after the
     answer instead of letting aiohttp read up to the whole declared body to discard it."""
     protocol = request.protocol
     if isinstance(protocol, ClientHandler):
-        protocol._stop_after_this()  # noqa: SLF001 - the module's own class
+        protocol.close_after(request.content)
 
 
 def _first_line(text: str | None) -> str:
