@@ -52,7 +52,7 @@ from .requests import Kind, decode_json_object, parse_request
 from .reconcile import EngineCacheCounters
 from .reuse import ReuseTracker
 from .routing import Router
-from .server import ClientAppRunner, ClientLimits, announce_close
+from .server import ClientAppRunner, ClientLimits, announce_close, count_timeouts
 from .tokens import ClientTemplates, TokenizerRegistry
 from .tokens.memory import keep_large_buffers_mapped
 
@@ -190,7 +190,9 @@ class RouterApp:
             self._add_routes(app)
             # handler_cancellation: a client that disconnects cancels its handler, which closes the
             # upstream connection, so the engine stops generating for nobody
-            limits = ClientLimits(s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s)
+            limits = ClientLimits(
+                s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s, count_timeouts(self.metrics.registry)
+            )
             self._runner = ClientAppRunner(
                 app, limits=limits, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
             )

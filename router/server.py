@@ -34,6 +34,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from aiohttp.web_server import Server
+from prometheus_client import CollectorRegistry, Counter
 
 from .errors import ApiError, error_body, error_response
 
@@ -49,6 +50,17 @@ class ClientLimits:
     keepalive_timeout_s: float
     # called with "header" or "body" each time a client is cut for being slow (a metric)
     on_timeout: Callable[[str], None] | None = None
+
+
+def count_timeouts(registry: CollectorRegistry) -> Callable[[str], None]:
+    """``ClientLimits.on_timeout`` that counts ``kvroute_client_timeouts_total{stage}``."""
+    counter = Counter(
+        "kvroute_client_timeouts", "client connections cut for sending their head or body too slowly", ["stage"],
+        registry=registry,
+    )
+    for stage in ("header", "body"):
+        counter.labels(stage)  # both series exist from the start, at 0
+    return lambda stage: counter.labels(stage).inc()
 
 
 def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
@@ -92,7 +104,12 @@ class ClientHandler(RequestHandler):
     # -- timers -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._arm_head()  # from the accept, as nginx does: a client that says nothing is cut too
+        # from the accept, as nginx does: a client that says nothing is cut too (the header timeout
+        # replaces aiohttp's keep-alive timer until the first request, so only one of them fires)
+        if self._limits.header_timeout_s > 0 and self._keepalive_handle is not None:
+            self._keepalive_handle.cancel()
+            self._keepalive_handle = None
+        self._arm_head()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head()

@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from tests.router_support import MODEL, emulated_replicas, openai_client, running_router
+from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, sample, scrape
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
@@ -149,6 +149,7 @@ async def test_slow_head_gets_408_and_a_silent_client_is_closed(router):
     assert 0.4 < took < 3.0
     answer, took = await exchange(router.port)  # connects, says nothing
     assert answer == b"" and 0.4 < took < 3.0
+    assert sample(await scrape(router.url), "kvroute_client_timeouts_total", stage="header") == 2
 
 
 async def test_idle_keepalive_connection_is_closed(router):
@@ -176,6 +177,7 @@ async def test_slow_body_gets_408_and_holds_no_in_flight_slot():
                 assert openai_error(answer) == (408, "request_timeout")
                 assert 1.2 < took < 5.0
             assert app.bodies.partial == 0 and app.in_flight == 0
+            assert sample(await scrape(app.url), "kvroute_client_timeouts_total", stage="body") == 6
 
 
 async def test_bodies_being_received_are_bounded_but_a_whole_body_is_served():
