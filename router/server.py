@@ -180,11 +180,11 @@ class ClientHandler(RequestHandler):
         self._head_timer = None
         if self._force_close or self._close or self.transport is None:
             return
-        if self._limits.on_timeout is not None:
-            self._limits.on_timeout("header")
         if self._waiter is None or self._waiter.done():  # a request is being answered: look again after
             self._arm_head()
             return
+        if self._limits.on_timeout is not None:
+            self._limits.on_timeout("header")
         if not self._head_bytes:
             self.force_close()  # said nothing: nothing to answer
             return
@@ -202,7 +202,6 @@ class ClientHandler(RequestHandler):
 
     def _body_timed_out(self) -> None:
         body, self._body_timer = self._body, None
-        self._body = None
         if body is None or body.is_eof() or self._force_close or self.transport is None:
             return
         if self._limits.on_timeout is not None:
