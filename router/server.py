@@ -41,6 +41,40 @@ from .errors import ApiError, error_body, error_response
 log = logging.getLogger("kvroute.router")
 
 _LINGER_S = 2.0
+# A timeout acts one loop turn after it expires: a loop running late (timers run before the turn's
+# I/O) must not cut a client whose bytes are already waiting in its socket.
+_ONE_MORE_TURN_S = 0.001
+
+
+class _LingeringTransport:
+    """A connection's transport once it is to close while its client may still be sending (a slow
+    head or body cut, a body refused unread): ``close()`` sends FIN after what was written,
+    ignores what still arrives, and closes the socket ``_LINGER_S`` later.  Closing at once with
+    the client's bytes unread or still arriving makes the kernel send a reset, which can destroy
+    the 408/413 before the client reads it (nginx's lingering close)."""
+
+    def __init__(self, protocol: ClientHandler, transport: asyncio.Transport):
+        self._protocol = protocol
+        self._transport = transport
+        self._closing = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._closing or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._protocol._close = True  # noqa: SLF001 - what the client still sends is ignored
+        t = self._transport
+        if t.is_closing():
+            return
+        if t.can_write_eof():
+            t.write_eof()
+        self._protocol._loop.call_later(_LINGER_S, t.close)  # noqa: SLF001
 
 
 @dataclass(frozen=True)
@@ -176,7 +210,10 @@ class ClientHandler(RequestHandler):
         self._lingering_time = 0.0
         self._last_body = body
 
-    def _head_timed_out(self) -> None:
+    def _head_timed_out(self, checked: bool = False) -> None:
+        if not checked:  # see _ONE_MORE_TURN_S
+            self._head_timer = self._loop.call_later(_ONE_MORE_TURN_S, self._head_timed_out, True)
+            return
         self._head_timer = None
         if self._force_close or self._close or self.transport is None:
             return
@@ -192,15 +229,19 @@ class ClientHandler(RequestHandler):
         self.transport.write(
             _raw_error(408, "Request Timeout", f"request headers not received within {t:g} s", "request_timeout")
         )
-        # A lingering close (nginx's): send FIN after the answer and ignore what the client still
-        # sends for a moment; closing at once with its bytes unread would send a reset instead,
-        # which can make the client's kernel drop the 408 before it is read.
-        self.close()  # idle (checked above): stops parsing and ends aiohttp's wait for a request
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self._loop.call_later(_LINGER_S, self.force_close)
+        self.close()  # idle (checked above): ends aiohttp's wait for a request
+        self.linger()
+        self.transport.close()
 
-    def _body_timed_out(self) -> None:
+    def linger(self) -> None:
+        """From now on, closing this connection is a lingering close (:class:`_LingeringTransport`)."""
+        if self.transport is not None and not isinstance(self.transport, _LingeringTransport):
+            self.transport = _LingeringTransport(self, self.transport)  # type: ignore[assignment]
+
+    def _body_timed_out(self, checked: bool = False) -> None:
+        if not checked:  # see _ONE_MORE_TURN_S
+            self._body_timer = self._loop.call_later(_ONE_MORE_TURN_S, self._body_timed_out, True)
+            return
         body, self._body_timer = self._body, None
         if body is None or body.is_eof() or self._force_close or self.transport is None:
             return
@@ -214,6 +255,7 @@ class ClientHandler(RequestHandler):
         middleware; then the connection closes: the rest of that body is never read."""
         self._cancel_body()
         self.close_after(body)
+        self.linger()  # the client may still be sending this body
         body.set_exception(exc)
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
@@ -260,6 +302,7 @@ def close_after_answer(request: web.BaseRequest) -> None:
     protocol = request.protocol
     if isinstance(protocol, ClientHandler):
         protocol.close_after(request.content)
+        protocol.linger()
 
 
 def _first_line(text: str | None) -> str:

@@ -293,11 +293,12 @@ async def test_slow_clients_cannot_stop_valid_requests_and_are_cut_at_their_time
                     latencies.append(time.monotonic() - t)
             results = await asyncio.wait_for(asyncio.gather(*slow), 60)
             for i, (answer, took) in enumerate(results):
-                assert answer == b"" or answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+                assert answer == b"" or answer.startswith(b"HTTP/1.1 408 "), (i, answer[:200])
                 limit = BODY_S if i % 2 else HEADER_S
-                assert limit * 0.8 < took < limit + 20, (i, took)
+                assert limit * 0.8 < took < limit + 20, (i, took, answer[:100])
             answered = [sum(a.startswith(b"HTTP/1.1 408 ") for a, _ in results[k::2]) for k in (0, 1)]
-            assert answered[0] >= SLOW_CLIENTS * 0.9  # a slow head's 408 is sent, then a lingering close
+            # the 408 is sent, then a lingering close (FIN, input ignored): clients still sending read it
+            assert min(answered) >= SLOW_CLIENTS * 0.9, answered
             latencies.sort()
             print(f"\n{SLOW_CLIENTS} slowloris + {SLOW_CLIENTS} slow bodies: 30/30 valid requests served, "
                   f"p50 {latencies[15] * 1000:.0f} ms, max {latencies[-1] * 1000:.0f} ms; slow ones cut after "
