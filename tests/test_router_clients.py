@@ -23,15 +23,15 @@ BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"
 async def router():
     async with emulated_replicas(1) as reps:
         async with running_router(
-            [reps[0].url], max_body_bytes=64 * 1024, header_timeout_s=0.5, body_timeout_s=1.0, keepalive_timeout_s=0.5
+            [reps[0].url], max_body_bytes=64 * 1024, header_timeout_s=0.5, body_timeout_s=5.0, keepalive_timeout_s=0.5
         ) as app:
             yield app
 
 
 async def exchange(port: int, *parts: bytes, pause_s: float = 0.05, wait_s: float = 10.0) -> tuple[bytes, float]:
     """Send ``parts`` (pausing between them), read until the router closes; (answer, seconds)."""
+    started = time.monotonic()  # before connecting: the router's clock starts at its accept, later
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    started = time.monotonic()
     try:
         for i, part in enumerate(parts):
             if i:
@@ -89,7 +89,7 @@ async def test_chunked_body_broken_half_way_is_a_400(router):
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
     answer, took = await exchange(router.port, head + b"5\r\n{\"mod\r\n", b"ZZ\r\n")
     assert openai_error(answer) == (400, "invalid_request_body")
-    assert took < 0.9  # answered at once, not when the body timeout passes
+    assert took < 3.0  # answered at once, not when the body timeout (5 s) passes
 
 
 async def test_compressed_bodies(router):
@@ -111,7 +111,7 @@ async def test_compressed_bodies(router):
 async def test_declared_length_over_the_limit_is_refused_before_the_body(router):
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n"
     answer, took = await exchange(router.port, head + b"{")
-    assert openai_error(answer) == (413, "request_too_large") and took < 0.9
+    assert openai_error(answer) == (413, "request_too_large") and took < 3.0  # not at the body timeout
 
 
 def nested(depth: int) -> bytes:
@@ -146,9 +146,9 @@ async def test_only_ascii_request_ids_are_echoed(router):
 async def test_slow_head_gets_408_and_a_silent_client_is_closed(router):
     answer, took = await exchange(router.port, b"GET /health HTTP/1.1\r\nHost: x\r\n", b"X-Slow: 1\r\n", pause_s=0.2)
     assert openai_error(answer) == (408, "request_timeout")
-    assert 0.4 < took < 3.0
+    assert 0.4 < took < 4.5
     answer, took = await exchange(router.port)  # connects, says nothing
-    assert answer == b"" and 0.4 < took < 3.0
+    assert answer == b"" and 0.4 < took < 4.5
     assert sample(await scrape(router.url), "kvroute_client_timeouts_total", stage="header") == 2
 
 
@@ -156,7 +156,7 @@ async def test_idle_keepalive_connection_is_closed(router):
     ok = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     answer, took = await exchange(router.port, ok)
     assert parse(answer)[0] == 200 and answer.count(b"HTTP/1.1") == 1
-    assert 0.4 < took < 3.0
+    assert 0.4 < took < 4.5
 
 
 async def test_slow_body_gets_408_and_holds_no_in_flight_slot():
@@ -175,7 +175,7 @@ async def test_slow_body_gets_408_and_holds_no_in_flight_slot():
                 assert answer.choices
             for answer, took in await asyncio.gather(*slow):
                 assert openai_error(answer) == (408, "request_timeout")
-                assert 1.2 < took < 5.0
+                assert 1.4 < took < 8.0
             assert app.bodies.partial == 0 and app.in_flight == 0
             assert sample(await scrape(app.url), "kvroute_client_timeouts_total", stage="body") == 6
 

@@ -252,8 +252,8 @@ BODY_S = HEADER_S + 1.0
 
 async def _slow_client(port: int, body: bool) -> tuple[bytes, float]:
     """A client trickling its head (or, after a whole head, its body) until the router closes."""
+    started = time.monotonic()  # before connecting: the router's clock starts at its accept, later
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    started = time.monotonic()
     if body:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
     else:
