@@ -123,13 +123,14 @@ def parser_error(exc: BaseException | None, message: str | None) -> tuple[int, s
 class ClientHandler(RequestHandler):
     """One client connection: aiohttp's protocol plus header/body timeouts and JSON parser errors."""
 
-    __slots__ = ("_limits", "_head_timer", "_head_bytes", "_body", "_body_timer", "_last_body")
+    __slots__ = ("_limits", "_head_timer", "_head_bytes", "_heads_before", "_body", "_body_timer", "_last_body")
 
     def __init__(self, manager: Server, *, limits: ClientLimits, **kwargs: Any):
         super().__init__(manager, keepalive_timeout=limits.keepalive_timeout_s, **kwargs)
         self._limits = limits
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = False  # bytes of a head not yet complete have arrived
+        self._heads_before = 0  # requests parsed when the header timer was armed
         self._body: StreamReader | None = None  # the body being received
         self._body_timer: asyncio.TimerHandle | None = None
         # the body of the request after whose answer the connection closes (see close_after)
@@ -152,6 +153,7 @@ class ClientHandler(RequestHandler):
 
     def _arm_head(self) -> None:
         if self._head_timer is None and self._limits.header_timeout_s > 0:
+            self._heads_before = self._request_count
             self._head_timer = self._loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
 
     def _cancel_head(self) -> None:
@@ -216,6 +218,9 @@ class ClientHandler(RequestHandler):
             return
         self._head_timer = None
         if self._force_close or self._close or self.transport is None:
+            return
+        if self._request_count != self._heads_before:  # the head completed where we did not see it
+            self._head_bytes = False  # (aiohttp parsing what followed a declined Upgrade): idle now
             return
         if self._waiter is None or self._waiter.done():  # a request is being answered: look again after
             self._arm_head()
