@@ -108,7 +108,9 @@ class RouterApp:
         self.in_flight = 0
         self._idle = asyncio.Event()
         self.cutoff = RequestCutoff()
-        self.bodies = BodyReader(settings.max_body_bytes, settings.max_body_reads, settings.retry_after_s)
+        self.bodies = BodyReader(
+            settings.max_body_bytes, settings.max_body_reads, settings.max_body_read_bytes, settings.retry_after_s
+        )
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
         self._started = False

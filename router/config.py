@@ -117,6 +117,10 @@ class RouterSettings(BaseSettings):
     max_body_reads: int = Field(
         1024, gt=0, description="request bodies being received at once (503 above; a body sent whole is never refused)"
     )
+    max_body_read_bytes: int = Field(
+        1024 * 1024 * 1024, gt=0, description="memory the bodies being received may come to (each reserves its "
+        "Content-Length, or max_body_bytes when chunked or compressed; 503 above)"
+    )
 
     # -- clients ---------------------------------------------------------------------------
     header_timeout_s: float = Field(

@@ -180,9 +180,10 @@ async def test_slow_body_gets_408_and_holds_no_in_flight_slot():
             assert sample(await scrape(app.url), "kvroute_client_timeouts_total", stage="body") == 6
 
 
-async def test_bodies_being_received_are_bounded_but_a_whole_body_is_served():
+@pytest.mark.parametrize("bound", [{"max_body_reads": 2}, {"max_body_read_bytes": 2 * len(BODY) + 10}])
+async def test_bodies_being_received_are_bounded_but_a_whole_body_is_served(bound):
     async with emulated_replicas(1) as reps:
-        async with running_router([reps[0].url], max_body_reads=2, body_timeout_s=2.0) as app:
+        async with running_router([reps[0].url], body_timeout_s=2.0, **bound) as app:
             head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
             slow = [asyncio.create_task(exchange(app.port, head + BODY[:10], BODY[10:20], pause_s=0.3)) for _ in range(2)]
             await asyncio.sleep(0.3)
