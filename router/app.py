@@ -419,7 +419,8 @@ class RouterApp:
                 outcome.status = exc.status
                 raise
             except (asyncio.CancelledError, ConnectionResetError):
-                outcome.status = 499  # the client closed the request (nginx's code)
+                # cut at the drain timeout (answered 503 by the cutoff), or the client left (nginx's 499)
+                outcome.status = 503 if self.cutoff.cutting else 499
                 raise
             except Exception:
                 outcome.status = 500
@@ -450,7 +451,7 @@ class RouterApp:
             outcome.status = exc.status
             raise
         except (asyncio.CancelledError, ConnectionResetError):
-            outcome.status = 499
+            outcome.status = 503 if self.cutoff.cutting else 499
             raise
         finally:
             self.metrics.requests.labels(model_label, outcome.replica or "none", str(outcome.status)).inc()

@@ -12,7 +12,7 @@ import time
 
 import aiohttp
 
-from tests.router_support import MODEL, RouterProcess, emulated_replicas
+from tests.router_support import MODEL, RouterProcess, emulated_replicas, running_router, scrape, total
 
 DRAIN_S = 1.0
 
@@ -46,3 +46,18 @@ async def test_drain_timeout_ends_streams_and_requests_then_exits():
             assert time.monotonic() - signalled < DRAIN_S + 5
         finally:
             await router.stop()
+
+
+async def test_requests_cut_at_the_drain_timeout_are_counted_as_503_not_as_client_disconnects():
+    async with emulated_replicas(1, time_scale=1.0) as (rep,):
+        async with running_router([rep.url]) as app:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(app.url + "/v1/chat/completions", json=chat(True)) as streaming:
+                    await streaming.content.readline()
+                    assert await app.drain(timeout_s=0.3) is False
+                    assert await app.cutoff.cut() == 1
+                    rest = await asyncio.wait_for(streaming.read(), 10)
+            assert rest.rstrip().endswith(b"data: [DONE]") and b"router_shutting_down" in rest
+            samples = await scrape(app.url)
+            assert total(samples, "kvroute_requests_total", status="503") == 1
+            assert total(samples, "kvroute_requests_total", status="499") == 0
