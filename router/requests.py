@@ -12,7 +12,6 @@ OpenAI answer it (422 would make the SDK raise a different exception class for t
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -131,23 +130,28 @@ class ParsedRequest:
 # Deepest JSON nesting accepted: real requests nest a few levels; msgspec itself would recurse
 # until Python's limit (a RecursionError, a 500) and every later walk of the body would too.
 MAX_JSON_DEPTH = 128
-_OPENERS_CLOSERS = b"[]{}"
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in _OPENERS_CLOSERS)
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_MARKS = bytes(b for b in range(256) if b not in b'"[]{}')
 
 
 def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     """True if ``raw`` nests arrays/objects deeper than ``limit`` (brackets inside strings do not count).
 
-    C-speed for any size: a body with at most ``limit`` brackets cannot be deeper (two counts);
-    otherwise strings are cut out (a regex), the brackets kept (``bytes.translate``) and their
-    running depth taken with numpy."""
+    C and numpy speed whatever the body (~30 ms for 10 MB of brackets): a body with at most
+    ``limit`` opening brackets cannot be deeper (two counts); otherwise escapes are dropped (a
+    run of backslashes pairs up from the left, so removing ``\\\\`` then ``\\"`` leaves only the
+    quotes that open and close strings), everything but quotes and brackets is dropped
+    (``bytes.translate``), and the brackets outside strings (an even number of quotes before them)
+    are summed +1/-1."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
-    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in raw else raw
+    marks = np.frombuffer(text.translate(None, _NOT_MARKS), dtype=np.uint8)
+    quote = marks == 0x22
+    outside = (np.cumsum(quote, dtype=np.int32) & 1) == 0
+    brackets = marks[outside & ~quote]
     # '[' 0x5B and '{' 0x7B have bit 1 set, ']' 0x5D and '}' 0x7D do not: +1 / -1
-    steps = (np.frombuffer(brackets, dtype=np.uint8) & 2).astype(np.int32) - 1
-    return bool(steps.size) and int(np.cumsum(steps).max()) > limit
+    steps = (brackets & 2).view(np.int8) - 1
+    return bool(steps.size) and int(np.cumsum(steps, dtype=np.int32).max()) > limit
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:

@@ -7,9 +7,11 @@ import json
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.errors import ApiError
-from router.requests import parse_request, prompt_batch
+from router.requests import json_depth_exceeds, parse_request, prompt_batch
 
 
 def _err(kind: str, body: bytes) -> ApiError:
@@ -107,3 +109,25 @@ def test_additions_keep_every_client_field():
     out = msgspec.json.decode(parsed.forward_body({"stream_options": {"continuous_usage_stats": False, "include_usage": True}}))
     assert out == {**body, "stream_options": {"continuous_usage_stats": False, "include_usage": True}}
     assert parsed.body == body  # the parsed original is never mutated
+
+
+def _depth(value) -> int:
+    if isinstance(value, (list, dict)):
+        return 1 + max(map(_depth, value.values() if isinstance(value, dict) else value), default=0)
+    return 0
+
+
+_TRICKY = st.text(alphabet='ab"\\[]{}/\u00e9\n', max_size=8)  # quotes, backslashes, brackets inside strings
+_JSON = st.recursive(
+    st.none() | st.integers() | _TRICKY,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TRICKY, inner, max_size=3),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_JSON, ascii_only=st.booleans())
+def test_json_depth_pre_scan_matches_the_parsed_depth(value, ascii_only):
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode()
+    for limit in range(0, 7):
+        assert json_depth_exceeds(raw, limit) == (_depth(value) > limit), (limit, raw)
