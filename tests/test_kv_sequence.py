@@ -44,3 +44,40 @@ def test_only_the_last_window_of_digests_is_kept():
         s.applied(seq, seq)
     assert [s.digest(q) for q in range(5)] == [None, None, 2, 3, 4]
     assert s.classify(0, 999) == "applied"  # too old to tell: not taken for a restart
+
+
+# -- the index writer (router/kvevents/index_writer.py), on a real memory index -------------------
+async def _writer_with(index):
+    from prometheus_client import CollectorRegistry
+
+    from router.index.client import as_client
+    from router.kvevents.index_writer import IndexWriter
+    from router.kvevents.metrics import KVEventMetrics
+
+    return IndexWriter("r", as_client(index), KVEventMetrics(CollectorRegistry()))
+
+
+async def test_writes_are_coalesced_in_order_and_a_clear_makes_earlier_ones_moot():
+    from router.index.base import ReplicaSpec
+    from router.index.memory import MemoryIndex
+
+    index = MemoryIndex()
+    await index.add_replica(ReplicaSpec("r", 1000, publishes_events=True))
+    writer = await _writer_with(index)
+    writer.add("confirm", [1, 2])
+    writer.add("confirm", [3])  # one run: one call
+    writer.add("remove", [3])
+    writer.batch(None)
+    assert writer._ops == [("confirm", [1, 2, 3]), ("remove", [3])]
+    assert await writer.flush() is True
+    assert await index.lookup([1, 2, 3]) == {"r": 2}
+    assert writer.batches_applied == 1
+
+    writer.add("confirm", [7])
+    writer.add("clear", [])
+    writer.add("confirm", [1])
+    writer.batch(None)
+    assert writer._ops == [("clear", []), ("confirm", [1])]
+    assert await writer.flush() is True
+    assert await index.lookup([1, 2]) == {"r": 1}
+    assert await writer.flush() is None  # nothing pending

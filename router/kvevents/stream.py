@@ -1,4 +1,4 @@
-"""One replica's KV-event stream: its sockets, its sequence bookkeeping, its replays.
+"""One replica's KV-event stream: the socket loop that follows a publisher, with the rules below.
 
 Sequence rules (``seq`` counts from 0 in each publisher process):
 - the next seq expected: apply it;
@@ -24,10 +24,11 @@ Sequence rules (``seq`` counts from 0 in each publisher process):
 - a reconnection of the SUB socket (the publisher went away and came back) is checked the same
   way as a gap: the publisher may be a new process whose seq happens to continue ours.
 
-Index writes are coalesced: the batches read in one go (up to ``max_chunk``) become one
-``confirm`` / ``remove`` call per run of the same operation, so a Redis index pays a round trip per
-run, not per event.  When the index fails, writes stop until it answers again; then the stream
-resyncs (``drop_confirmed`` and a replay from 0), since the writes in between are lost.
+The pieces: ``sequence.py`` tells what a batch is (apply, applied, gap, changed), ``replay.py``
+fetches a replica's buffered batches, ``index_writer.py`` coalesces and writes what the batches
+say; this module is the socket loop that drives them.  When the index fails, writes stop until it
+answers again; then the stream resyncs (``drop_confirmed`` and a replay from 0), since the writes
+in between are lost.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from router.index.client import IndexClient
 
+from .index_writer import IndexWriter
 from .metrics import KVEventMetrics
+from .replay import ReplayError, replay_batches
 from .sequence import BatchSequence
 from .translate import ChainTranslator
-from .wire import END_SEQ, AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, WireError, parse_live, parse_replay, replay_request
+from .wire import AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, WireError, parse_live
 
 log = logging.getLogger("kvroute.kvevents")
 
@@ -60,7 +63,6 @@ CRASH_BACKOFF_S = 1.0
 _digest = xxhash.xxh3_64_intdigest
 
 ReplayOutcome = Literal["ok", "lost", "restarted", "failed"]
-OpKind = Literal["confirm", "remove", "clear", "drop"]
 
 
 @dataclass
@@ -83,28 +85,6 @@ class StreamStatus:
     index_ok: bool
     mapped_blocks: int  # engine hashes the translator knows
     last_lag_s: float | None
-
-
-class _Ops:
-    """Index writes in order, consecutive writes of one kind merged into one call."""
-
-    __slots__ = ("items",)
-
-    def __init__(self) -> None:
-        self.items: list[tuple[OpKind, list[int]]] = []
-
-    def add(self, kind: OpKind, hashes: list[int]) -> None:
-        items = self.items
-        if kind == "clear":
-            items.clear()  # a clear makes every earlier write of this replica moot
-        elif items and items[-1][0] == kind and kind in ("confirm", "remove"):
-            items[-1][1].extend(hashes)
-            return
-        items.append((kind, hashes))
-
-    def take(self) -> list[tuple[OpKind, list[int]]]:
-        items, self.items = self.items, []
-        return items
 
 
 class ReplicaStream:
@@ -132,7 +112,7 @@ class ReplicaStream:
         self.replay_endpoint = replay_endpoint
         self.model = model
         self.bind = bind
-        self.index = index
+        self.writer = IndexWriter(name, index, metrics)
         self._block_size_for = block_size_for
         self._metrics = metrics
         self._series = metrics.replica_series(name)
@@ -144,19 +124,13 @@ class ReplicaStream:
         self._idle_check_s = idle_check_s
         self.translator = ChainTranslator(model, capacity_blocks)
         self._decoder = BatchDecoder()
-        self._ops = _Ops()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._poller: zmq.asyncio.Poller | None = None
         # sequence bookkeeping
         self.sequence = BatchSequence()
-        # what the pending ops carry, reported once they are written
-        self._pending_applied = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
-        self._pending_batches = 0
-        self._pending_lag_ts: list[float] = []
         # status
         self.last_seq: int | None = None
-        self.batches_applied = 0
         self.restarts = self.gaps = self.replays = self.reconnects = 0
         self.synced = False  # the history is replayed and the first connection's catch-up done
         self._contacted = False  # the first-contact replay is done
@@ -167,16 +141,14 @@ class ReplicaStream:
         self._settling = False
         self.checks = 0  # such checks asked
         self.connected = False
-        self.index_ok = True
-        self.last_lag_s: float | None = None
         self._was_disconnected = False
 
     def status(self) -> StreamStatus:
         return StreamStatus(
             replica=self.name, endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, model=self.model,
-            last_seq=self.last_seq, batches_applied=self.batches_applied, restarts=self.restarts, gaps=self.gaps,
+            last_seq=self.last_seq, batches_applied=self.writer.batches_applied, restarts=self.restarts, gaps=self.gaps,
             replays=self.replays, checks=self.checks, reconnects=self.reconnects, synced=self.synced, connected=self.connected,
-            index_ok=self.index_ok, mapped_blocks=len(self.translator), last_lag_s=self.last_lag_s,
+            index_ok=self.writer.ok, mapped_blocks=len(self.translator), last_lag_s=self.writer.last_lag_s,
         )
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -206,7 +178,7 @@ class ReplicaStream:
                     await self._on_monitor()
                 if self._sub in ready:
                     await self._on_live()
-                if not self.index_ok:
+                if not self.writer.ok:
                     await self._resync_after_index_failure()
                 if self._check_at is not None and time.monotonic() >= self._check_at:
                     await self._check()
@@ -223,7 +195,7 @@ class ReplicaStream:
     def request_resync(self) -> None:
         """The index lost what this stream wrote (Redis restarted empty): rebuild it from history
         at the next turn of the loop, as after an index failure."""
-        self.index_ok = False
+        self.writer.ok = False
 
     def _open(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -394,7 +366,7 @@ class ReplicaStream:
         log.warning("replica %s restarted (%s): clearing its index entries", self.name, reason)
         self.restarts += 1
         self._series.restarts.inc()
-        self._ops.add("clear", [])
+        self.writer.add("clear", [])
         self._reset_sequence(clear_map=True)
         if self.replay_endpoint:
             await self._replay(0, verify=None, drop_first=False)
@@ -404,7 +376,7 @@ class ReplicaStream:
     def _lost(self) -> None:
         """Events are gone for good: forget what events confirmed, keep following."""
         log.warning("replica %s: KV events lost; dropping its confirmed entries", self.name)
-        self._ops.add("drop", [])
+        self.writer.add("drop", [])
         self.sequence.forget_position()
 
     def _reset_sequence(self, *, clear_map: bool) -> None:
@@ -430,43 +402,37 @@ class ReplicaStream:
         await self._flush()
         if counted:
             self._count_replay()
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
         outcome: ReplayOutcome = "ok"
+        first = True
+        since_flush = 0
         try:
-            dealer.connect(self.replay_endpoint)
-            await dealer.send_multipart(replay_request(start))
-            first = True
-            since_flush = 0
-            while True:
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
-                # lands as the reply arrives, and the stream would outlive its stop()
-                async with asyncio.timeout(self._replay_timeout_s):
-                    frames = await dealer.recv_multipart()
-                seq, payload = parse_replay(frames)
-                if first:
-                    first = False
-                    if verify is not None and (seq == END_SEQ or (seq == verify[0] and _digest(payload) != verify[1])):
-                        return "restarted"  # nothing at our last seq, or something else there
-                    if seq != END_SEQ and seq > start:
-                        outcome = "lost"
-                    if drop_first or outcome == "lost":
-                        self._ops.add("drop", [])
-                if seq == END_SEQ:
-                    break
-                if self.sequence.next is not None and seq < self.sequence.next:
-                    continue  # applied already (the verified batch, or an overlap)
-                self._apply(seq, payload, _digest(payload), live=False)
-                since_flush += 1
-                if since_flush >= self._max_chunk:
-                    await self._flush()
-                    await asyncio.sleep(0)  # a long history must not starve the router's requests
-                    since_flush = 0
-        except (TimeoutError, WireError, zmq.ZMQError) as exc:
+            batches = replay_batches(self._ctx, self.replay_endpoint, start, self._replay_timeout_s)
+            async with contextlib.aclosing(batches):
+                async for seq, payload in batches:
+                    if first:
+                        first = False
+                        if verify is not None and seq == verify[0] and _digest(payload) != verify[1]:
+                            return "restarted"  # something else under our last seq
+                        if seq > start:
+                            outcome = "lost"
+                        if drop_first or outcome == "lost":
+                            self.writer.add("drop", [])
+                    if self.sequence.next is not None and seq < self.sequence.next:
+                        continue  # applied already (the verified batch, or an overlap)
+                    self._apply(seq, payload, _digest(payload), live=False)
+                    since_flush += 1
+                    if since_flush >= self._max_chunk:
+                        await self._flush()
+                        await asyncio.sleep(0)  # a long history must not starve the router's requests
+                        since_flush = 0
+            if first:  # nothing buffered from ``start`` on
+                if verify is not None:
+                    return "restarted"  # not even our last seq: another process
+                if drop_first:
+                    self.writer.add("drop", [])
+        except ReplayError as exc:
             log.warning("replica %s: replay from seq %d failed: %r", self.name, start, exc)
             outcome = "failed"
-        finally:
-            dealer.close(linger=0)
         await self._flush()
         return outcome
 
@@ -478,75 +444,41 @@ class ReplicaStream:
     def _apply(self, seq: int, payload: bytes, digest: int, *, live: bool) -> None:
         """Translate one batch into pending index writes; ``_flush`` writes them."""
         self.sequence.applied(seq, digest)
-        self._pending_batches += 1
+        writer = self.writer
         try:
             batch = self._decoder.decode(payload)
         except WireError as exc:
             log.warning("replica %s: undecodable KV-event batch %d: %s", self.name, seq, exc)
             self._metrics.skip("bad_frame")
+            writer.batch(None)
             return
         skip = self._metrics.skip
         if batch.undecodable:
             skip("undecodable", batch.undecodable)
         block_size = self._block_size_for(self.model)
-        ops, translator, counts = self._ops, self.translator, self._pending_applied
+        translator = self.translator
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 hashes = translator.stored(ev, block_size, skip)
                 if hashes:
-                    ops.add("confirm", hashes)
-                counts["BlockStored"] += 1
+                    writer.add("confirm", hashes)
+                writer.event("BlockStored")
             elif isinstance(ev, BlockRemoved):
                 hashes = translator.removed(ev, skip)
                 if hashes:
-                    ops.add("remove", hashes)
-                counts["BlockRemoved"] += 1
+                    writer.add("remove", hashes)
+                writer.event("BlockRemoved")
             elif isinstance(ev, AllBlocksCleared):
                 translator.clear()
-                ops.add("clear", [])
-                counts["AllBlocksCleared"] += 1
-        if live:
-            self._pending_lag_ts.append(batch.ts)
+                writer.add("clear", [])
+                writer.event("AllBlocksCleared")
+        writer.batch(batch.ts if live else None)
 
     async def _flush(self) -> None:
-        ops = self._ops.take()
-        batches, self._pending_batches = self._pending_batches, 0
-        lag_ts, self._pending_lag_ts = self._pending_lag_ts, []
-        counts = self._pending_applied
-        self._pending_applied = dict.fromkeys(counts, 0)
-        if not ops and not batches:
+        written = await self.writer.flush()
+        if written is None:
             return
-        if not self.index_ok:
-            self._metrics.skip("index_unavailable", batches)  # the resync replays what it can
-            return
-        ok = True
-        for kind, hashes in ops:
-            if kind == "confirm":
-                ok = await self.index.confirm(self.name, hashes)
-            elif kind == "remove":
-                ok = await self.index.remove(self.name, hashes)
-            elif kind == "clear":
-                ok = await self.index.clear_replica(self.name)
-            else:
-                ok = await self.index.drop_confirmed(self.name)
-            if not ok:
-                break
-        if not ok:  # counted by the index client
-            log.warning("replica %s: index write failed; resyncing once it answers", self.name)
-            self.index_ok = False
-            self._metrics.skip("index_unavailable", batches)
-            self._on_progress()
-            return
-        now = time.time()
-        for ts in lag_ts:
-            self._metrics.lag.observe(max(0.0, now - ts))
-        if lag_ts:
-            self.last_lag_s = now - lag_ts[-1]
-        for kind, n in counts.items():
-            if n:
-                self._series.applied[kind].inc(n)
-        self.batches_applied += batches
-        if self.sequence.next is not None:
+        if written and self.sequence.next is not None:
             self.last_seq = self.sequence.next - 1
         self._on_progress()
 
@@ -556,11 +488,9 @@ class ReplicaStream:
         The hash map stays: it followed every event meanwhile, so children of blocks stored
         before the replay window still find their parents.
         """
-        if not await self.index.drop_confirmed(self.name):
+        if not await self.writer.reopen():
             return  # still down; the poll timeout brings us back
         log.info("replica %s: index reachable again, resyncing", self.name)
-        self.index_ok = True
-        self._ops.take()
         if self.replay_endpoint:
             self.sequence.forget_position()
             await self._replay(0, verify=None, drop_first=False)
