@@ -539,6 +539,32 @@ def test_cost_model_bounded_load_rule() -> None:
     assert tight.choose(request(64, matches={"r0": 64}), replicas).reason == "balance"
 
 
+def test_cost_model_keeps_a_long_held_prefix_past_the_bound() -> None:
+    # bound = max(ceil(1.5 * 13 / 4), 4) = 5; r0 (12 in flight) is over it.
+    policy = make_policy("cost_model", epsilon=0.5, bound_floor=4)
+    assert isinstance(policy, CostModelPolicy) and policy.keep_tokens == 8192
+    long = 8192 // BS  # blocks of one engine step's token budget
+    d = policy.choose(request(2 * long, matches={"r0": long}), fleet(12, 0, 0, 0))
+    assert (d.replica, d.reason, d.matched_blocks) == ("r0", "cache", long)  # half the prompt, 8k held
+    # A shorter held prefix moves for the bound, as before.
+    short = request(2 * long, first=10_000, matches={"r0": long - 1})
+    assert policy.choose(short, fleet(12, 0, 0, 0)).reason == "balance"
+    # The exemption is for the holders of the longest prefix only: a lesser holder stays bounded.
+    d = policy.choose(request(2 * long, first=20_000, matches={"r0": long, "r1": long // 2}), fleet(0, 12, 12, 12))
+    assert d.replica == "r0"
+    two = request(2 * long, first=30_000, matches={"r0": long, "r1": long - 1})
+    assert policy.choose(two, fleet(12, 12, 0, 0)).replica == "r0"  # r1 (long - 1 held) is bounded
+    # The cost still decides: a holder whose queue costs more than the copy loses the request.
+    busy = fleet(12, 0, 0, 0)
+    busy[0].queued_prefill_tokens = 10 * 8192 * 2
+    assert policy.choose(request(2 * long, first=40_000, matches={"r0": long}), busy).replica != "r0"
+    # Off: the bound applies to every request (greedy_ttft, the previous default, keeps it so).
+    off = make_policy("cost_model", epsilon=0.5, bound_floor=4, keep_tokens=None)
+    assert off.choose(request(2 * long, first=50_000, matches={"r0": long}), fleet(12, 0, 0, 0)).reason == "balance"
+    greedy = make_policy("greedy_ttft")
+    assert isinstance(greedy, CostModelPolicy) and greedy.keep_tokens is None
+
+
 def test_cost_model_session_hint_within_bounds_and_beyond() -> None:
     policy = make_policy("cost_model")
     replicas = fleet(1, 1, 1, 1)

@@ -37,6 +37,24 @@ available; "greedy" is this request's TTFT alone (``greedy_ttft``, the default u
   share gained a point on the trace but lost 1.3 on conversation and, once the session bound
   loosened, sent sessions to whichever full replica's count dipped (sessions 96.3% vs 99.5%,
   imbalance 1.25): in steady state every cache is full and the difference is noise.
+- Why sglang_cache_aware keeps more of the trace's reuse (8 replicas seed 1: 37.2% vs 33.8%
+  of available; 16 replicas: 71.6% vs 66.3%), measured per decision against the engines'
+  caches: (a) it never leaves a holder below its 64-request imbalance, where this policy does
+  when the holder's queue costs more than the fleet's price of a copy (seed 1: 7.9k of the
+  17.8k blocks it keeps more; its p50/p99 are 437 ms/6.5 s against 102 ms/3.7 s); raising
+  ``queued_behind`` to 7 (15) keeps 35.3% (34.7%) at a higher p90 and, on the slice above, a
+  much higher p50 or p99: the trade-off is real, not a mispricing.  (b) the prefix index drops
+  blocks the engines still hold: its capacity eviction (``MemoryIndex._evict_over_capacity``)
+  pops confirmed entries as soon as predictions push a replica over its block count, before
+  the engine evicts anything (467k of 467k such evictions at 16 replicas were of blocks the
+  engine still held); sglang's own tree remembers them (9.3k blocks at seed 1, 9.0k at 16
+  replicas; this policy lost 3.9k and 9.4k that way).  Not evicting confirmed entries of
+  replicas that publish KV events raised this policy to 69.8% at 16 replicas (p50/p90/p99
+  44/1556/3753 ms against 43/1583/3692; seed 1 at 8: 33.8%, unchanged): an index change,
+  outside the policy.
+  (c) the rest (about 4.7k blocks at seed 1) is what the fleet's caches retain.  This policy
+  spreads requests it explores at least as evenly as sglang does (per replica 207-253 against
+  193-265); placing them by cache occupancy instead is not measured.
 - ``decode_penalty`` is small on purpose.  With chunked prefill every engine step also advances
   each running sequence by one token, so during the ``steps_r = 1 + work_r // step_token_budget``
   steps before our first token the ``decoding_r`` running sequences add work.
@@ -70,6 +88,18 @@ The choice:
    84.0% -> 87.5%, p50/p90/p99 54/375/1156 -> 51/334/1022 ms; sessions unchanged).  Without
    the floor an idle replica back from a restart got no new session while the cost preferred
    the holders of the system prompt; with it, conversation 87.1%, 52/346/1070 ms.
+   A long held prefix is kept past the in-flight bound: when the best holder holds at least
+   ``keep_tokens`` (one engine step's budget, 8192) of the prompt, every replica holding that
+   much may take the request whatever its in-flight count.  Moving such a request recomputes at
+   least a full step of prefill (most of a second of a replica, which ``behind`` others then
+   wait for), where one more running sequence costs each step about ``decode_weight`` tokens; the
+   cost still decides among holders and non-holders, so a holder whose queue costs more than
+   the copy still loses the request.  Last 493 rows of the synthetic trace (``--time-scale 0.5
+   --no-kv-events``, 8 replicas): the bound moved 2 requests holding 42k and 66k tokens, 30% of
+   the reuse lost there; with the rule 95.0% -> 96.4% of the available reuse, p50/p90/p99
+   49 ms/1.69 s/4.94 s -> 43 ms/1.57 s/4.81 s.  The ten standard runs (four workloads, 8 and
+   16 replicas, trace seeds 0-2) are identical to the figure: none had a bound override with
+   8k tokens held.
 3. Argmin of the cost over the qualifying replicas; ties go to fewer requests in flight, then
    rotate.  A request with no match anywhere thus goes to the least work.
 4. Starvation: bounded loads still let up to n * eps / (1 + eps) replicas sit idle next to the
@@ -106,6 +136,7 @@ SESSION_IDLE_S = 120.0
 OWN_WORK_WEIGHT = 1.0
 DECODE_WEIGHT = 4.0
 STEP_TOKEN_BUDGET = 8192  # vLLM's default max_num_batched_tokens for the OpenAI server on big GPUs
+KEEP_TOKENS = STEP_TOKEN_BUDGET  # a held prefix worth a full engine step of prefill is not moved for the bound
 STARVE_WINDOW = 8.0
 SESSION_RATIO = 1.25
 SESSION_SLACK_S = 0.05
@@ -138,6 +169,7 @@ class CostModelPolicy(Policy):
         queued_behind: float = QUEUED_BEHIND,
         signal_tau_s: float = SIGNAL_TAU_S,
         explore: bool = True,
+        keep_tokens: int | None = KEEP_TOKENS,
         seed: int = 0,
     ):
         """Tunables (defaults in the module constants; the module docstring says why):
@@ -152,6 +184,9 @@ class CostModelPolicy(Policy):
             this request's TTFT alone.
         signal_tau_s: time constant of the prefix traffic shares (30 s).
         explore: no fleet price for a request whose best holder has less than half of it (True).
+        keep_tokens: a replica holding the longest cached prefix, if that is at least this many
+            tokens, may take the request past the in-flight bound (8192, one engine step's
+            budget); None applies the bound to every request.
         decode_weight: prompt-token cost of one running sequence per engine step (4.0).
         step_token_budget: tokens per engine step, vLLM's max_num_batched_tokens (8192).
         default_prefill_rate: tokens/s for replicas with no learned rate (None: the
@@ -187,6 +222,7 @@ class CostModelPolicy(Policy):
         self.sessions = SessionBook(max_sessions, session_idle_s)
         self.queued_behind = queued_behind
         self.explore = explore
+        self.keep_tokens = keep_tokens
         self.heat = PrefixHeat(signal_tau_s, MAX_PREFIX_KEYS)
         self._decisions = 0
         self._last_pick: dict[str, int] = {}  # replica -> decision number of its last pick
@@ -261,7 +297,13 @@ class CostModelPolicy(Policy):
             return (cost[i], replicas[i].in_flight, (i - turn) % n)
 
         bound = self.load_bound(replicas)
-        allowed = [i for i, r in enumerate(replicas) if r.in_flight + 1 <= bound]
+        held = min(max(req.matches.values(), default=0), len(req.chain))
+        keep = self.keep_tokens is not None and held > 0 and held * req.block_size >= self.keep_tokens
+        allowed = [
+            i
+            for i, r in enumerate(replicas)
+            if r.in_flight + 1 <= bound or (keep and self.matched_blocks(req, r.name) >= held)
+        ]
         home = self.sessions.home(key) if key is not None else None
         if key is not None and home is None and self.session_epsilon is not None:
             # A new session: its later turns follow it, so it goes where sessions are few: to a

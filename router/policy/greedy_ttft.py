@@ -14,4 +14,5 @@ class GreedyTtftPolicy(CostModelPolicy):
         options.setdefault("queued_behind", 0.0)
         options.setdefault("epsilon", 1.0)
         options.setdefault("session_epsilon", 0.0)
+        options.setdefault("keep_tokens", None)  # the bound applies to every request, as it did
         super().__init__(**options)  # type: ignore[arg-type]
