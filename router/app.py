@@ -443,7 +443,7 @@ class RouterApp:
             body = decode_json_object(raw)
             model, replicas = self._passthrough_replicas(body.get("model"))
             model_label = model
-            order = [r.name for r in replicas][: 1 + self.settings.retry_attempts]
+            order = self.fleet.claim_in_order([r.name for r in replicas], 1 + self.settings.retry_attempts)
             return await self.proxy.forward_plain(
                 request, order, request.path, raw, request_id=request[REQUEST_ID], outcome=outcome
             )

@@ -4,10 +4,12 @@ closed --(N consecutive failures)--> open --(cooldown)--> half_open --(trial suc
                                        ^                       |
                                        +----(trial fails)------+
 
-While half-open, exactly one trial request is let through.  The trial is granted by ``allow()``;
-a caller that was granted it but never reports back (the policy picked another replica) must not
-block the replica forever, so an unanswered trial lapses after another cooldown and a new one is
-granted.
+While half-open, exactly one trial request is let through.  Asking is free: ``available()`` says
+whether a request could go there now (a half-open replica is offered to the policy), and only the
+request actually routed there takes the trial, with ``claim()``.  A trial whose request never
+reports back (the client left before the first byte) lapses after another cooldown, so the replica
+is never stuck.  ``reset()`` closes the circuit outright when health checks saw the replica down
+and up again: its failures belonged to the outage that is over.
 """
 
 from __future__ import annotations
@@ -40,18 +42,27 @@ class CircuitBreaker:
             self._trial_at = None
         return self._state
 
-    def allow(self) -> bool:
-        """May a request go to this replica now?  In half-open this grants the single trial."""
+    def available(self) -> bool:
+        """Could a request go to this replica now?  No side effect: the trial stays unclaimed."""
         state = self.state
-        if state == "closed":
+        if state == "half_open":
+            return self._trial_free()
+        return state == "closed"
+
+    def claim(self) -> bool:
+        """A request is being routed here: True if it may go (in half-open it takes the one trial)."""
+        state = self.state
+        if state == "half_open" and self._trial_free():
+            self._trial_at = self.clock()
             return True
-        if state == "open":
-            return False
-        now = self.clock()
-        if self._trial_at is None or now - self._trial_at >= self.cooldown_s:
-            self._trial_at = now
-            return True
-        return False
+        return state == "closed"
+
+    def reset(self) -> None:
+        """Closed, failures forgotten (not counted as an opening)."""
+        self.record_success()
+
+    def _trial_free(self) -> bool:
+        return self._trial_at is None or self.clock() - self._trial_at >= self.cooldown_s
 
     def record_success(self) -> None:
         self._state = "closed"

@@ -89,7 +89,7 @@ def card_parent(card: Mapping[str, Any]) -> str | None:
 class Replica:
     name: str  # stable id: its base URL
     url: str
-    breaker: CircuitBreaker  # .allow(), .record_success(), .record_failure(), .state
+    breaker: CircuitBreaker  # .available(), .claim(), .record_success(), .record_failure(), .state
     models: set[str] = field(default_factory=set)  # from its /v1/models
     model_cards: list[dict[str, Any]] = field(default_factory=list)
     block_size: int | None = None  # effective: configured, else scraped, else registered
@@ -217,12 +217,31 @@ class Fleet:
         return self._replicas.get(name)
 
     def eligible(self, model: str) -> list[Replica]:
-        """Healthy, not draining, serving ``model``, breaker allowing (a half-open one grants its trial)."""
+        """Healthy, not draining, serving ``model``, breaker not open.  A half-open replica whose
+        trial is free is included without taking the trial: see :meth:`claim`."""
         return [
             r
             for r in self._replicas.values()
-            if r.healthy and not r.draining and model in r.models and r.breaker.allow()
+            if r.healthy and not r.draining and model in r.models and r.breaker.available()
         ]
+
+    def claim(self, name: str) -> bool:
+        """Routing sends a request to ``name``: True if it may (a half-open replica's one trial is
+        this request), False if its circuit is open or another request holds the trial."""
+        r = self._replicas.get(name)
+        return r is not None and r.breaker.claim()
+
+    def claim_in_order(self, names: list[str], limit: int) -> list[str]:
+        """Up to ``limit`` of ``names`` to try in turn: the first may be a half-open replica (it
+        takes the trial), later ones only closed ones, since they are tried only if earlier ones fail."""
+        order: list[str] = []
+        for name in names:
+            r = self._replicas.get(name)
+            if r is None or len(order) >= limit:
+                continue
+            if r.breaker.state == "closed" or (not order and r.breaker.claim()):
+                order.append(name)
+        return order
 
     def serves(self, model: str) -> bool:
         """Some known replica (healthy or not) serves ``model``."""
@@ -439,6 +458,9 @@ class Fleet:
 
     async def _mark_up(self, r: Replica) -> None:
         r.healthy = True
+        # Its failures were the outage the health checks saw end: back in rotation at once,
+        # rather than after a breaker cooldown and a trial the policy might never send.
+        r.breaker.reset()
         log.info("replica %s is up (models %s)", r.name, sorted(r.models))
         await self._sync_index(r)
         self._notify("up", r)
@@ -518,6 +540,8 @@ class Fleet:
         )
         r.process_start_time = scraped.process_start_time
         self._resolve_geometry(r)
+        if restarted:
+            r.breaker.reset()  # a new process answers: the failures of the one that crashed are moot
         if restarted and r.indexed_spec is not None:
             # Restarted between two health checks: its cache is empty, whatever the index says.
             log.warning("replica %s restarted: dropping its index entries", r.name)

@@ -8,7 +8,7 @@ functions as ``router/routing.py``, so what the simulator measures is what the r
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from .load import LoadTracker
@@ -43,10 +43,14 @@ def snapshot(name: str, load: LoadTracker, running: int) -> ReplicaState:
 class Placement:
     """Where requests go: one policy, the index's predictions and the router's load, in sequence."""
 
-    def __init__(self, policy: Policy, index: Predictions, load: LoadTracker):
+    def __init__(
+        self, policy: Policy, index: Predictions, load: LoadTracker, claim: Callable[[str], bool] | None = None
+    ):
         self.policy = policy
         self.index = index
         self.load = load
+        # the router's Fleet.claim: a half-open replica's one trial is the request placed there
+        self.claim = claim
 
     async def place(self, route: RouteRequest, replicas: Replicas, load_key: str, chains: Chains = None) -> Decision:
         """The whole sequence: fills ``route.matches`` from the index, then :meth:`commit`.
@@ -59,6 +63,9 @@ class Placement:
     def commit(self, route: RouteRequest, replicas: Replicas, load_key: str, chains: Chains = None) -> Decision:
         """choose -> record -> load, for a route whose matches are known (a failover reuses them)."""
         decision = self.policy.choose(route, replicas)
+        if self.claim is not None and not self.claim(decision.replica) and len(replicas) > 1:
+            # a half-open replica whose trial another request took since `replicas` was read
+            return self.commit(route, [r for r in replicas if r.name != decision.replica], load_key, chains)
         self.policy.on_routed(route, decision)
         for chain in (route.chain,) if chains is None else chains:
             if chain:

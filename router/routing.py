@@ -181,7 +181,7 @@ class Router:
         self.load = load
         self.policy = policy
         # the client bounds the lookup by index_timeout_s and writes predictions behind the answer
-        self.placement = Placement(policy, index, load)
+        self.placement = Placement(policy, index, load, claim=fleet.claim)
         self.tokenizers = tokenizers
         self.reuse = reuse
         self.metrics = metrics

@@ -76,7 +76,7 @@ import asyncio, sys
 from replica.emulated.server import EmulatedReplica, ReplicaConfig
 
 async def main():
-    rep = EmulatedReplica(ReplicaConfig(model=sys.argv[1], time_scale=float(sys.argv[2])))
+    rep = EmulatedReplica(ReplicaConfig(model=sys.argv[1], time_scale=float(sys.argv[2]), port=int(sys.argv[3])))
     await rep.start()
     print(rep.url, flush=True)
     await asyncio.Event().wait()
@@ -93,9 +93,11 @@ class ReplicaProcess:
         self.url = url
 
     @classmethod
-    async def start(cls, *, model: str = MODEL, time_scale: float = 0.0) -> ReplicaProcess:
+    async def start(cls, *, model: str = MODEL, time_scale: float = 0.0, port: int = 0) -> ReplicaProcess:
+        """``port`` 0: any free port; a given one restarts a killed replica at its old URL."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _CHILD, model, str(time_scale), stdout=asyncio.subprocess.PIPE, cwd=str(REPO)
+            sys.executable, "-c", _CHILD, model, str(time_scale), str(port), stdout=asyncio.subprocess.PIPE,
+            cwd=str(REPO),
         )
         assert proc.stdout is not None
         try:

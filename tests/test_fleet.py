@@ -330,11 +330,55 @@ async def test_breaker_opens_on_reported_failures_and_half_opens_after_cooldown(
     assert status[a.url].healthy  # /health still answers: only the breaker keeps it out
 
     await until(lambda: fleet.get(a.url).breaker.state == "half_open")
-    assert [r.name for r in fleet.eligible("m1")] == [a.url, b.url]  # the one trial
+    for _ in range(3):  # offered to every request's policy; asking takes nothing
+        assert [r.name for r in fleet.eligible("m1")] == [a.url, b.url]
+    assert fleet.claim(b.url)  # the policy routed elsewhere: a's trial is still free
+    assert fleet.claim(a.url)  # the request routed to a is the trial
     assert [r.name for r in fleet.eligible("m1")] == [b.url]
+    assert not fleet.claim(a.url)  # one trial at a time
     fleet.report_success(a.url)
     assert fleet.get(a.url).breaker.state == "closed"
     assert len(fleet.eligible("m1")) == 2
+
+
+async def test_a_replica_back_up_rejoins_with_its_breaker_closed(replicas, fleets):
+    # Requests failing during the outage opened its circuit; once health checks see it up again it
+    # takes requests at once, not after a cooldown and a trial.
+    a = await replicas()
+    b = await replicas()
+    fleet = await fleets(replicas=[a.url, b.url], unhealthy_after=1, breaker_failures=1, breaker_cooldown_s=60)
+    a.health_status = 503
+    fleet.report_failure(a.url)
+    await until(lambda: not fleet.get(a.url).healthy)
+    assert fleet.get(a.url).breaker.state == "open"
+    a.health_status = 200
+    await until(lambda: fleet.get(a.url).healthy)
+    assert fleet.get(a.url).breaker.state == "closed"
+    assert [r.name for r in fleet.eligible("m1")] == [a.url, b.url]
+
+
+async def test_a_restart_seen_between_health_checks_closes_the_breaker(replicas, fleets):
+    a = await replicas()
+    fleet = await fleets(replicas=[a.url], breaker_failures=1, breaker_cooldown_s=60)
+    fleet.report_failure(a.url)
+    assert fleet.get(a.url).breaker.state == "open" and fleet.eligible("m1") == []
+    a.start_time += 60  # a new process on the same URL, answering its probes
+    await until(lambda: fleet.get(a.url).breaker.state == "closed")
+    assert fleet.eligible("m1")
+
+
+async def test_passthrough_order_takes_a_half_open_trial_only_first(replicas, fleets):
+    a = await replicas()
+    b = await replicas()
+    fleet = await fleets(replicas=[a.url, b.url], breaker_failures=1, breaker_cooldown_s=0.2)
+    fleet.report_failure(a.url)
+    await until(lambda: fleet.get(a.url).breaker.state == "half_open")
+    # a fallback is tried only if the first fails: it must not take (and waste) the trial
+    assert fleet.claim_in_order([b.url, a.url], 2) == [b.url]
+    assert fleet.get(a.url).breaker.available()
+    assert fleet.claim_in_order([a.url, b.url], 2) == [a.url, b.url]
+    assert not fleet.get(a.url).breaker.available()
+    assert fleet.claim_in_order([a.url, b.url], 1) == [b.url]
 
 
 async def test_status_exposes_plain_data(replicas, fleets):

@@ -163,3 +163,23 @@ async def test_client_that_leaves_after_done_is_counted_as_answered(caplog):
         assert sample(samples, "kvroute_reuse_delivered_tokens_total", model=MODEL) == 0
         assert sample(samples, "kvroute_in_flight") == 0
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+async def test_half_open_trial_is_the_request_routed_there():
+    # Round robin alternates over [a, b]: the first request after a's cooldown goes to b.  Being
+    # offered a (and passing it over) must not use up a's trial: the next request is a's trial.
+    async with emulated_replicas(2) as (a, b):
+        fleet = {"breaker_failures": 1, "breaker_cooldown_s": 1.0}
+        async with running_router([a.url, b.url], policy="round_robin", fleet=fleet) as app:
+            client = openai_client(app, "x")
+            app.fleet.report_failure(a.url)  # as a failed request would: a's circuit opens
+            await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)  # to b
+            deadline = time.monotonic() + 5
+            while app.fleet.get(a.url).breaker.state != "half_open":
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            for _ in range(4):
+                await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+            samples = await scrape(app.url)
+            assert sample(samples, "kvroute_requests_total", model=MODEL, replica=a.url, status="200") == 2
+            assert app.fleet.get(a.url).breaker.state == "closed"
