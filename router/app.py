@@ -289,6 +289,7 @@ class RouterApp:
         if event == "left":
             self.load.remove(replica.name)
             self.metrics.forget_replica(replica.name)
+            self.router.forget_replica(replica.name)
 
     def _replica_status(self) -> list[ReplicaStatus]:
         """The fleet's view of each replica joined with this router's own load there."""

@@ -178,11 +178,13 @@ class RouterMetrics:
                     self.upstream_failures.labels(replica, stage)
 
     def forget_replica(self, replica: str) -> None:
-        """A replica left: its gauges must not report stale values."""
-        try:
-            self.index_entries.remove(replica)
-        except KeyError:
-            pass
+        """A replica left: drop every series naming it.  Replicas come and go (pods get new
+        addresses on every restart): the series of departed ones must not pile up for ever."""
+        for metric, position in ((self.requests, 1), (self.upstream_failures, 0), (self.index_entries, 0)):
+            # prometheus_client has no public way to list a metric's children
+            for labels in [labels for labels in metric._metrics if labels[position] == replica]:
+                metric.remove(*labels)
+        self._replicas = {(m, r) for m, r in self._replicas if r != replica}
 
     def hostile(self, client: str) -> None:
         self.cache_hostile.labels(self.client_label(client)).inc()

@@ -337,6 +337,10 @@ class Router:
             self._approx_warned.add(model)
             log.warning("no tokenizer configured for model %s: routing on approximate (byte) blocks", model)
 
+    def forget_replica(self, name: str) -> None:
+        """A replica left the fleet: it may come back under its name as another process."""
+        self._reports_cached.discard(name)
+
     # -- what happened ----------------------------------------------------------------------
     def first_token(self, decision: RouteDecision, ttft_s: float) -> None:
         seen = self.load.on_first_token(decision.load_key, ttft_s)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import openai
 
-from tests.router_support import MODEL, ReplicaProcess, openai_client, running_router, scrape, total
+from tests.router_support import MODEL, ReplicaProcess, emulated_replicas, openai_client, running_router, scrape, total
+
+MSGS = [{"role": "user", "content": "hello"}]
 
 RATE = 20.0  # requests per second
 FLEET = {"health_interval_s": 1.0, "health_timeout_s": 0.5, "unhealthy_after": 2, "metrics_interval_s": 0.5}
@@ -121,3 +123,40 @@ async def test_sigkill_and_restart_under_load():
     finally:
         for r in reps:
             await r.kill()
+
+
+async def test_a_replica_that_leaves_leaves_no_series_or_state_behind(redis_url, redis_prefix):
+    # Pods come and go with new addresses: a departed replica's metrics series and per-replica
+    # state must go with it, or a long-lived router grows with every restart of the fleet.
+    import redis.asyncio as aioredis
+
+    from router.registry import ReplicaRecord, keep_registered
+
+    async with emulated_replicas(2) as (kept, lapsing):
+        client = aioredis.Redis.from_url(redis_url)
+        hearts = [
+            asyncio.create_task(keep_registered(client, redis_prefix, ReplicaRecord(url=r.url, model=MODEL), ttl=1.0,
+                                                interval=0.2))
+            for r in (kept, lapsing)
+        ]
+        try:
+            fleet = {"discovery_redis": True, "redis_url": redis_url, "redis_key_prefix": redis_prefix,
+                     "health_interval_s": 0.2}
+            async with running_router([], policy="round_robin", fleet=fleet) as app:
+                await _within(10.0, lambda: len(app.fleet.eligible(MODEL)) == 2)  # both discovered, both up
+                openai = openai_client(app)
+                for _ in range(4):
+                    await openai.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+                before = await scrape(app.url)
+                assert total(before, "kvroute_requests_total", replica=lapsing.url) == 2
+
+                hearts[1].cancel()  # `lapsing` stops heartbeating: its registration expires, it leaves
+                await _within(5.0, lambda: app.fleet.get(lapsing.url) is None)
+                after = await scrape(app.url)
+                assert not [key for key in after if ("replica", lapsing.url) in key[1]]
+                assert total(after, "kvroute_requests_total", replica=kept.url) == 2
+                assert lapsing.url not in app.load.states
+        finally:
+            for heart in hearts:
+                heart.cancel()
+            await client.aclose()
