@@ -30,6 +30,16 @@ bench: install
 	$(BIN)/python -m bench.index_bench
 	$(BIN)/python -m bench.tokenize_bench
 
+# A soak (not in CI): the router's RSS and latency p50/p99 for SOAK_MINUTES at SOAK_RATE req/s, a
+# table, build/soak.json and build/soak.png; fails if RSS grows > 5% after the first minute or p99
+# drifts (bench/soak.py states the rule).  More flags: make soak SOAK_ARGS="--replicas 4".
+SOAK_RATE ?= 10
+SOAK_MINUTES ?= 10
+SOAK_ARGS ?=
+.PHONY: soak
+soak: install
+	$(BIN)/python -m bench.soak --rate $(SOAK_RATE) --minutes $(SOAK_MINUTES) --out build/soak $(SOAK_ARGS)
+
 # The router's overhead, side by side with SGLang's router (the issue's reference) on this machine.
 SGLANG_VENV ?= .venv-sglang
 SGLANG_ROUTER ?= sglang-router==0.3.2

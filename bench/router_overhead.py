@@ -43,6 +43,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from bench.processes import stop_all
 from replica.vllm import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,15 +238,7 @@ async def run(args: argparse.Namespace) -> dict:
             floors[name], pids[name] = line.rsplit(" ", 1)[-1], floor_proc.pid
         return await measure_all(args, urls, routers, pids, floors)
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await stop_all(procs)
 
 
 async def measure_all(
