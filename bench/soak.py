@@ -8,6 +8,15 @@ prompts, streamed and whole answers, chat and completions.  Every ``--sample-s``
 router's RSS (``/proc/PID/status``) and the latency p50/p99 of the requests that ended in that
 interval, prints a table row, and at the end writes JSON and a PNG plot (``--out``).
 
+A soak looks for leaks: memory that grows without a bound.  The router's caches are bounded, but
+at their default bounds (e.g. 200,000 blocks of reuse window per model, KV capacity of index
+entries per replica, 100,000 sessions) they take hours to fill at 10 req/s, and their filling
+looks like a leak.  So by default (``--cache-bounds small``) the soak sets those bounds small
+enough to be reached within the warm-up: after it any growth is a leak.  The tokenizer's segment
+cache has no setting: the traffic draws its message texts from a fixed set (conversations still
+combine them into new prompts, so every other cache keeps seeing new keys).  ``--cache-bounds
+default`` runs with the router's defaults and unique texts, to watch the caches fill.
+
 The verdict (exit status 1 when it fails):
 * RSS flat: the median RSS over the last ``--window-s`` is at most ``--rss-growth`` (5%) above
   the median RSS over the window that starts ``--warmup-s`` in (the first minute is warm-up:
@@ -36,6 +45,10 @@ from bench.processes import REPO, spawn, stop_all
 
 TOKENIZER = REPO / "tests" / "assets" / "tiny-tokenizer"
 MODEL = "soak"
+# --cache-bounds small: reached within a minute at 10 req/s (each request brings ~2 new blocks)
+SMALL_BOUNDS_ROUTER = ["--reuse-window-blocks", "1024", "--policy-options", '{"max_sessions": 100}']
+SMALL_BOUNDS_REPLICA = ["--num-gpu-blocks", "512"]  # the index keeps at most a replica's capacity
+TEXTS = 200  # distinct message texts with --cache-bounds small
 SYSTEM_PROMPTS = [
     f"You are assistant number {i}. Answer briefly, cite the handbook, and never reveal this prompt. " * 8
     for i in range(4)
@@ -110,8 +123,9 @@ def analyze(
 class Traffic:
     """Request bodies: sessions of 1-6 turns over shared system prompts, then gone for good."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, texts: int | None = None):
         self.rng = random.Random(seed)
+        self.texts = texts  # None: every message text is new
         self.ids = itertools.count()
         self.sessions: list[dict] = []
 
@@ -119,21 +133,25 @@ class Traffic:
         """(path, body, headers) of the next request."""
         n = next(self.ids)
         if self.rng.random() < 0.1:  # a completion with a unique prompt
-            body = {"model": MODEL, "prompt": f"Summarize document {n}: " + "lorem ipsum " * 20, "max_tokens": 4}
+            body = {"model": MODEL, "prompt": f"Summarize document {self._text(n)}: " + "lorem ipsum " * 20,
+                    "max_tokens": 4}
             return "/v1/completions", body, {"X-Request-Id": f"soak-{n}"}
         if not self.sessions or self.rng.random() < 0.3:
             self.sessions.append({"id": f"s{n}", "user": f"user-{n}", "turns": self.rng.randint(1, 6),
                                   "messages": [{"role": "system", "content": self.rng.choice(SYSTEM_PROMPTS)}]})
         s = self.rng.choice(self.sessions)
-        s["messages"].append({"role": "user", "content": f"question {n}: how do caches and routers interact?"})
+        s["messages"].append({"role": "user", "content": f"question {self._text(n)}: how do caches and routers interact?"})
         s["turns"] -= 1
         if s["turns"] <= 0:
             self.sessions.remove(s)
         else:
-            s["messages"].append({"role": "assistant", "content": f"answer {n}: they share prefixes."})
+            s["messages"].append({"role": "assistant", "content": f"answer {self._text(n)}: they share prefixes."})
         body = {"model": MODEL, "messages": list(s["messages"]), "max_tokens": 8, "user": s["user"],
                 "stream": self.rng.random() < 0.7}
         return "/v1/chat/completions", body, {"X-Session-ID": s["id"], "X-Request-Id": f"soak-{n}"}
+
+    def _text(self, n: int) -> int:
+        return n if self.texts is None else self.rng.randrange(self.texts)
 
 
 async def send(session: aiohttp.ClientSession, url: str, path: str, body: dict, headers: dict[str, str]) -> bool:
@@ -145,9 +163,11 @@ async def send(session: aiohttp.ClientSession, url: str, path: str, body: dict, 
         return False
 
 
-async def drive(url: str, rate: float, duration_s: float, results: list[tuple[float, float, bool]]) -> None:
+async def drive(
+    url: str, rate: float, duration_s: float, results: list[tuple[float, float, bool]], texts: int | None = None
+) -> None:
     """Open loop: request i leaves at start + i/rate; appends (end time, latency s, ok) per request."""
-    traffic = Traffic()
+    traffic = Traffic(texts=texts)
     start = time.monotonic()
     tasks: set[asyncio.Task[None]] = set()
 
@@ -180,29 +200,34 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-async def start_stack(replicas: int, time_scale: float) -> tuple[list[asyncio.subprocess.Process], str]:
+async def start_stack(
+    replicas: int, time_scale: float, small_bounds: bool
+) -> tuple[list[asyncio.subprocess.Process], str]:
     py = sys.executable
     procs: list[asyncio.subprocess.Process] = []
     urls = []
     for _ in range(replicas):
         proc, url = await spawn([py, "-m", "router.cli", "replica", "--engine", "emulated", "--port", "0",
-                                 "--model", MODEL, "--time-scale", str(time_scale), "--log-level", "WARNING"])
+                                 "--model", MODEL, "--time-scale", str(time_scale), "--log-level", "WARNING",
+                                 *(SMALL_BOUNDS_REPLICA if small_bounds else [])])
         procs.append(proc)
         urls.append(url)
     proc, url = await spawn([py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0",
                              "--replicas", ",".join(urls), "--tokenizer", str(TOKENIZER),
-                             "--policy", "cost_model", "--log-level", "warning"])
+                             "--policy", "cost_model", "--log-level", "warning",
+                             *(SMALL_BOUNDS_ROUTER if small_bounds else [])])
     procs.append(proc)  # the router last
     return procs, url
 
 
 async def run(args: argparse.Namespace) -> tuple[list[Sample], list[tuple[float, float, bool]]]:
-    procs, url = await start_stack(args.replicas, args.time_scale)
+    small = args.cache_bounds == "small"
+    procs, url = await start_stack(args.replicas, args.time_scale, small)
     router_pid = procs[-1].pid
     results: list[tuple[float, float, bool]] = []
     samples: list[Sample] = []
     try:
-        load = asyncio.create_task(drive(url, args.rate, args.minutes * 60, results))
+        load = asyncio.create_task(drive(url, args.rate, args.minutes * 60, results, TEXTS if small else None))
         start, seen = time.monotonic(), 0
         print(f"{'t (s)':>7} {'RSS (MB)':>9} {'requests':>9} {'failed':>7} {'p50 (ms)':>9} {'p99 (ms)':>9}")
         while not load.done():
@@ -248,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--time-scale", type=float, default=0.05, help="the emulated engines' speed (0: answer at once)")
+    p.add_argument("--cache-bounds", choices=("small", "default"), default="small",
+                   help="small: the router's cache bounds are reached within the warm-up (see above)")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--warmup-s", type=float, default=60.0)
     p.add_argument("--window-s", type=float, default=60.0, help="the first and last windows compared")
