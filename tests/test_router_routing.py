@@ -53,3 +53,23 @@ def test_chat_text_flattens_parts():
     text = chat_text([{"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                       {"role": "user", "content": None}])
     assert text == "<system>a\nb\n<user>"
+
+
+def test_placement_chooses_again_when_the_pick_cannot_be_claimed():
+    # Round robin picks b second; b is half-open and its trial was taken meanwhile (claim refuses):
+    # the request goes to another replica instead, and nothing is booked on b.
+    from router.index.memory import MemoryIndex
+    from router.load import LoadTracker
+    from router.placement import MemoryPredictions, Placement
+    from router.policy.base import ReplicaState, RouteRequest
+    from router.policy.round_robin import RoundRobinPolicy
+
+    load = LoadTracker()
+    claimed: list[str] = []
+    placement = Placement(RoundRobinPolicy(), MemoryPredictions(MemoryIndex()), load,
+                          claim=lambda name: claimed.append(name) or name != "b")
+    replicas = [ReplicaState("a"), ReplicaState("b")]
+    picks = [placement.commit(RouteRequest(chain=[], prompt_tokens=8, block_size=16), replicas, f"k{i}").replica
+             for i in range(2)]
+    assert picks == ["a", "a"] and claimed == ["a", "b", "a"]
+    assert load.state("a").in_flight == 2 and load.state("b").in_flight == 0
