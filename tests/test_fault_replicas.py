@@ -2,7 +2,8 @@
 the router, then restarted at the same URL.  Real replica processes, the openai client, the router
 with health settings a user would choose.  Bounds (issue 12): no request fails before its first
 byte, the dead replica is out of rotation within 2 s, and it takes traffic within 5 s of answering
-its health checks again."""
+its health checks again.  And a replica that leaves the fleet for good leaves no metric series or
+per-replica state behind.  (Client disconnects aborting at the replica: test_router_failover.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import openai
 from tests.router_support import MODEL, ReplicaProcess, emulated_replicas, openai_client, running_router, scrape, total
 
 MSGS = [{"role": "user", "content": "hello"}]
-
 RATE = 20.0  # requests per second
 FLEET = {"health_interval_s": 1.0, "health_timeout_s": 0.5, "unhealthy_after": 2, "metrics_interval_s": 0.5}
 
