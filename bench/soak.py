@@ -256,7 +256,7 @@ def plot(samples: list[Sample], path: Path) -> None:
     fig, (ax_rss, ax_lat) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     ax_rss.plot(t, [s.rss_mb for s in samples], color="tab:blue")
     ax_rss.set_ylabel("router RSS (MB)")
-    ax_rss.set_ylim(bottom=0)
+    ax_rss.set_ylim(0, 1.15 * max(s.rss_mb for s in samples))  # a flat line must not sit on the frame
     for name, key in (("p50", "p50_ms"), ("p99", "p99_ms")):
         ax_lat.plot(t, [getattr(s, key) for s in samples], label=name)
     ax_lat.set_ylabel("latency (ms)")
