@@ -3,8 +3,9 @@
 Discovery merges the listings of its sources (``router.discovery``: a static list, Redis
 registrations, a DNS name), any of which may be combined.
 
-Every health interval each replica's ``/health`` is probed; ``unhealthy_after`` failures in a row
-take it out, and its prefix-index entries are dropped (after a crash its cache state is unknown).
+Every health interval each replica's ``/health`` is probed (and at once after a request to it
+failed); ``unhealthy_after`` failures in a row take it out, a refused connection at once, and its
+prefix-index entries are dropped (after a crash its cache state is unknown).
 It comes back at the first successful probe, once its ``/v1/models`` has been read.  Load is
 scraped from ``/metrics`` every metrics interval.  Each probe and scrape runs as its own task with
 its own timeout, at most one of each kind per replica at a time, so a slow replica never delays
@@ -14,6 +15,7 @@ the others.  The proxy reports request outcomes to a per-replica circuit breaker
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -435,12 +437,16 @@ class Fleet:
 
     # -- health -------------------------------------------------------------------------------
     async def _probe(self, r: Replica) -> None:
-        ok = await self._get_ok(r, "/health", self.settings.health_timeout_s)
+        health = await self._check_health(r)
         if not self._current(r):
             return
-        if not ok:
+        if health != "ok":
             r.health_failures += 1
-            if r.healthy and r.health_failures >= self.settings.unhealthy_after:
+            # A refused connection is conclusive: nothing listens there (crashed, or restarting,
+            # its cache gone either way), so it is out at once, as nginx's max_fails=1 takes a
+            # server out on a connect error.  A timeout or an error status may pass: those take
+            # unhealthy_after in a row.
+            if r.healthy and (health == "refused" or r.health_failures >= self.settings.unhealthy_after):
                 await self._mark_down(r)
             return
         r.health_failures = 0
@@ -476,15 +482,16 @@ class Fleet:
         r.models_read_at = None  # read again when it comes back: it may serve something else
         self._notify("down", r)
 
-    async def _get_ok(self, r: Replica, path: str, timeout: float) -> bool:
+    async def _check_health(self, r: Replica) -> Literal["ok", "failed", "refused"]:
         try:
-            async with self.session.get(
-                r.url + path, headers=self._headers, timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as resp:
+            timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
+            async with self.session.get(r.url + "/health", headers=self._headers, timeout=timeout) as resp:
                 await resp.read()
-                return resp.status == 200
+                return "ok" if resp.status == 200 else "failed"
+        except aiohttp.ClientConnectorError as exc:
+            return "refused" if exc.os_error.errno == errno.ECONNREFUSED else "failed"
         except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
+            return "failed"
 
     async def _read_models(self, r: Replica) -> bool:
         try:

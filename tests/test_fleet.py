@@ -676,3 +676,25 @@ async def test_fleet_follows_an_emulated_replica_registered_in_redis(fleets, red
     finally:
         await emu.stop()
         await client.aclose()
+
+
+async def test_a_refused_connection_takes_a_replica_out_at_once(replicas, fleets):
+    # A request to it failed and the probe that follows finds nothing listening: out now, not
+    # after unhealthy_after checks (which, 30 s apart here, would take minutes).
+    a = await replicas()
+    b = await replicas()
+    fleet = await fleets(replicas=[a.url, b.url], health_interval_s=30, unhealthy_after=3)
+    await a.stop()
+    fleet.report_failure(a.url)  # as the proxy does on a connect error
+    await until(lambda: not fleet.get(a.url).healthy, timeout=3.0)
+    assert fleet.get(a.url).health_failures == 1
+    assert [r.name for r in fleet.eligible("m1")] == [b.url]
+
+
+async def test_an_error_status_still_takes_unhealthy_after_checks(replicas, fleets):
+    a = await replicas()
+    fleet = await fleets(replicas=[a.url], health_interval_s=30, unhealthy_after=3)
+    a.health_status = 503  # it answers: maybe a passing overload, not a crash
+    fleet.report_failure(a.url)
+    await until(lambda: fleet.get(a.url).health_failures == 1, timeout=3.0)
+    assert fleet.get(a.url).healthy
