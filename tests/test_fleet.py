@@ -683,12 +683,15 @@ async def test_a_refused_connection_takes_a_replica_out_at_once(replicas, fleets
     # after unhealthy_after checks (which, 30 s apart here, would take minutes).
     a = await replicas()
     b = await replicas()
-    fleet = await fleets(replicas=[a.url, b.url], health_interval_s=30, unhealthy_after=3)
+    index = MemoryIndex()
+    fleet = await fleets(index, replicas=[a.url, b.url], health_interval_s=30, unhealthy_after=3)
+    await index.record_prediction(a.url, [1, 2, 3])
     await a.stop()
     fleet.report_failure(a.url)  # as the proxy does on a connect error
     await until(lambda: not fleet.get(a.url).healthy, timeout=3.0)
     assert fleet.get(a.url).health_failures == 1
     assert [r.name for r in fleet.eligible("m1")] == [b.url]
+    assert await index.lookup([1, 2, 3]) == {}  # what it cached died with it
 
 
 async def test_an_error_status_still_takes_unhealthy_after_checks(replicas, fleets):
