@@ -20,7 +20,8 @@ from router.index.base import ReplicaSpec
 from router.index.memory import MemoryIndex
 from router.policy.cost_model import MAX_SESSIONS, SessionBook
 from router.reuse import ReuseTracker
-from router.tokens import DEFAULT_CACHE_MAX_CHARS, Tokenizer
+from router.tokens import Tokenizer
+from router.tokens.segments import DEFAULT_CACHE_MAX_CHARS
 
 BLOCKS_PER_PROMPT = 20
 MESSAGE = "question {}: how do caches and routers interact, and what do they share? "  # ~75 chars

@@ -60,13 +60,14 @@ def test_placement_chooses_again_when_the_pick_cannot_be_claimed():
     # the request goes to another replica instead, and nothing is booked on b.
     from router.index.memory import MemoryIndex
     from router.load import LoadTracker
-    from router.placement import MemoryPredictions, Placement
+    from router.index.client import IndexClient
+    from router.placement import Placement
     from router.policy.base import ReplicaState, RouteRequest
     from router.policy.round_robin import RoundRobinPolicy
 
     load = LoadTracker()
     claimed: list[str] = []
-    placement = Placement(RoundRobinPolicy(), MemoryPredictions(MemoryIndex()), load,
+    placement = Placement(RoundRobinPolicy(), IndexClient(MemoryIndex()), load,
                           claim=lambda name: claimed.append(name) or name != "b")
     replicas = [ReplicaState("a"), ReplicaState("b")]
     picks = [placement.commit(RouteRequest(chain=[], prompt_tokens=8, block_size=16), replicas, f"k{i}").replica
