@@ -2,8 +2,11 @@
 
 The router runs in this process under tracemalloc (the replicas in children, as in bench/soak.py);
 after a warm-up the allocations still live are snapshotted twice, ``--interval-s`` apart, and the
-lines whose live memory grew most in between are printed with their tracebacks (our code's frames).
-Anything that keeps growing at a steady rate is a cache or a map without a bound.
+lines whose live memory grew most in between are printed, then the top tracebacks.  The load is
+sent from this process too (bench/soak.py's lines are its results).  What grows steadily is a
+cache filling toward its bound (bench/cache_costs.py says how far) or a map without one.  At
+10 req/s with the defaults: the reuse window, the tokenizer's segment cache, the in-memory index
+(and the chain hashes those two hold), cost_model's sessions: all bounded.
 """
 
 from __future__ import annotations
