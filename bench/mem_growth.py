@@ -18,7 +18,7 @@ import sys
 import tracemalloc
 
 from bench.processes import spawn, stop_all
-from bench.soak import MODEL, TOKENIZER, drive
+from bench.soak import MODEL, SMALL_BOUNDS, SMALL_BOUNDS_REPLICA, TEXTS, TOKENIZER, drive
 
 FRAMES = 8
 
@@ -28,18 +28,21 @@ async def run(args: argparse.Namespace) -> None:
     from router.config import RouterSettings
 
     py = sys.executable
+    small = args.cache_bounds == "small"
     procs, urls = [], []
     try:
         for _ in range(args.replicas):
             proc, url = await spawn([py, "-m", "router.cli", "replica", "--engine", "emulated", "--port", "0",
-                                     "--model", MODEL, "--time-scale", "0.05", "--log-level", "WARNING"])
+                                     "--model", MODEL, "--time-scale", "0.05", "--log-level", "WARNING",
+                                     *(SMALL_BOUNDS_REPLICA if small else [])])
             procs.append(proc)
             urls.append(url)
         settings = RouterSettings(host="127.0.0.1", port=0, replicas=urls, tokenizer=str(TOKENIZER),
-                                  policy="cost_model", log_level="warning")
+                                  policy="cost_model", log_level="warning", **(SMALL_BOUNDS if small else {}))
         async with RouterApp(settings) as app:
             results: list = []
-            load = asyncio.create_task(drive(app.url, args.rate, args.warmup_s + 2 * args.interval_s + 5, results))
+            load = asyncio.create_task(drive(app.url, args.rate, args.warmup_s + 2 * args.interval_s + 5, results,
+                                              TEXTS if small else None))
             await asyncio.sleep(args.warmup_s)
             gc.collect()
             first = tracemalloc.take_snapshot()
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-s", type=float, default=60.0)
     p.add_argument("--interval-s", type=float, default=90.0)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--cache-bounds", choices=("default", "small"), default="default",
+                   help="small: as make soak's (bench/soak.py), to see what grows once the caches are full")
     args = p.parse_args(argv)
     tracemalloc.start(FRAMES)
     asyncio.run(run(args))

@@ -46,7 +46,9 @@ from bench.processes import REPO, spawn, stop_all
 TOKENIZER = REPO / "tests" / "assets" / "tiny-tokenizer"
 MODEL = "soak"
 # --cache-bounds small: reached within a minute at 10 req/s (each request brings ~2 new blocks)
-SMALL_BOUNDS_ROUTER = ["--reuse-window-blocks", "1024", "--policy-options", '{"max_sessions": 100}']
+SMALL_BOUNDS = {"reuse_window_blocks": 1024, "policy_options": {"max_sessions": 100}}  # router settings
+SMALL_BOUNDS_ROUTER = [arg for key, value in SMALL_BOUNDS.items()
+                       for arg in ("--" + key.replace("_", "-"), json.dumps(value))]
 SMALL_BOUNDS_REPLICA = ["--num-gpu-blocks", "512"]  # the index keeps at most a replica's capacity
 TEXTS = 200  # distinct message texts with --cache-bounds small
 SYSTEM_PROMPTS = [
