@@ -18,7 +18,8 @@ import numpy as np
 from bench.processes import REPO
 from router.index.base import ReplicaSpec
 from router.index.memory import MemoryIndex
-from router.policy.cost_model import MAX_SESSIONS, SessionBook
+from router.policy.cost_model import MAX_PREFIX_KEYS, MAX_SESSIONS, SIGNAL_TAU_S, SessionBook
+from router.policy.prefix_heat import PrefixHeat
 from router.reuse import ReuseTracker
 from router.tokens import Tokenizer
 from router.tokens.segments import DEFAULT_CACHE_MAX_CHARS
@@ -64,6 +65,13 @@ def session_book(n: int) -> SessionBook:
     return book
 
 
+def prefix_heat(n: int) -> PrefixHeat:
+    heat = PrefixHeat(SIGNAL_TAU_S, n)
+    for i in range(n):
+        heat.record(random.getrandbits(63), float(i))
+    return heat
+
+
 def segment_cache(n: int) -> Tokenizer:
     tok = Tokenizer.from_dir(REPO / "tests" / "assets" / "tiny-tokenizer")
     for i in range(n):
@@ -80,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         ("reuse window (per model)", "block", traced_bytes(lambda: reuse_window(n)) / n, 200_000),
         ("memory index (per replica)", "block of KV capacity", traced_bytes(lambda: memory_index(n)) / n, None),
         ("cost_model sessions", "session", traced_bytes(lambda: session_book(n)) / n, MAX_SESSIONS),
+        ("cost_model prefix heat", "prefix key", traced_bytes(lambda: prefix_heat(n)) / n, MAX_PREFIX_KEYS),
         ("tokenizer segment cache", f"{message_chars}-char text", traced_bytes(lambda: segment_cache(n)) / n,
          DEFAULT_CACHE_MAX_CHARS // message_chars),
     ]
