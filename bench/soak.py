@@ -14,8 +14,10 @@ entries per replica, 100,000 sessions) they take hours to fill at 10 req/s, and 
 looks like a leak.  So by default (``--cache-bounds small``) the soak sets those bounds small
 enough to be reached within the warm-up: after it any growth is a leak.  The tokenizer's segment
 cache has no setting: the traffic draws its message texts from a fixed set (conversations still
-combine them into new prompts, so every other cache keeps seeing new keys).  ``--cache-bounds
-default`` runs with the router's defaults and unique texts, to watch the caches fill.
+combine them into new prompts, so every other cache keeps seeing new keys).  cost_model's prefix
+heat (100k keys) has no setting either: it still fills, ~80 KB a minute at 10 req/s.
+``--cache-bounds default`` runs with the router's defaults and unique texts, to watch the caches
+fill (``python -m bench.cache_costs`` says how far).
 
 The verdict (exit status 1 when it fails):
 * RSS flat: the median RSS over the last ``--window-s`` is at most ``--rss-growth`` (5%) above
