@@ -5,17 +5,17 @@ registrations, a DNS name), any of which may be combined.
 
 Every health interval each replica's ``/health`` is probed (and at once after a request to it
 failed); ``unhealthy_after`` failures in a row take it out, a refused connection at once, and its
-prefix-index entries are dropped (after a crash its cache state is unknown).
-It comes back at the first successful probe, once its ``/v1/models`` has been read.  Load is
-scraped from ``/metrics`` every metrics interval.  Each probe and scrape runs as its own task with
-its own timeout, at most one of each kind per replica at a time, so a slow replica never delays
-the others.  The proxy reports request outcomes to a per-replica circuit breaker.
+prefix-index entries are dropped (after a crash its cache state is unknown).  It comes back at
+the first successful probe, once its ``/v1/models`` has been read.  Load is scraped from
+``/metrics`` every metrics interval.  The HTTP calls are ``router/probes.py``'s; this module
+keeps the state they change.  Each probe and scrape runs as its own task with its own timeout,
+at most one of each kind per replica at a time, so a slow replica never delays the others.  The
+proxy reports request outcomes to a per-replica circuit breaker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,7 +38,8 @@ from .discovery import (
     StaticSource,
 )
 from .registry import ReplicaRecord
-from .scrape import ScrapeResult, parse_vllm_metrics
+from .probes import ReplicaProbes
+from .scrape import ScrapeResult
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,9 @@ class Fleet:
         self._scrape_listeners: list[Callable[[Replica, ScrapeResult], None]] = []
         self._block_size_warned: set[str] = set()
         self._headers = {"Authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
+        self.probes = ReplicaProbes(
+            session, self._headers, health_timeout_s=settings.health_timeout_s, metrics_timeout_s=settings.metrics_timeout_s
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -437,7 +441,7 @@ class Fleet:
 
     # -- health -------------------------------------------------------------------------------
     async def _probe(self, r: Replica) -> None:
-        health = await self._check_health(r)
+        health = await self.probes.health(r.url)
         if not self._current(r):
             return
         if health != "ok":
@@ -482,33 +486,9 @@ class Fleet:
         r.models_read_at = None  # read again when it comes back: it may serve something else
         self._notify("down", r)
 
-    async def _check_health(self, r: Replica) -> Literal["ok", "failed", "refused"]:
-        try:
-            timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
-            async with self.session.get(r.url + "/health", headers=self._headers, timeout=timeout) as resp:
-                await resp.read()
-                return "ok" if resp.status == 200 else "failed"
-        except aiohttp.ClientConnectorError as exc:
-            return "refused" if exc.os_error.errno == errno.ECONNREFUSED else "failed"
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return "failed"
-
     async def _read_models(self, r: Replica) -> bool:
-        try:
-            async with self.session.get(
-                r.url + "/v1/models",
-                headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout_s),
-            ) as resp:
-                if resp.status != 200:
-                    log.warning("replica %s: /v1/models answered %d", r.name, resp.status)
-                    return False
-                body = await resp.json(content_type=None)
-            cards = [c for c in body["data"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
-            log.warning("replica %s: reading /v1/models failed: %r", r.name, exc)
-            return False
-        if not self._current(r):
+        cards = await self.probes.model_cards(r.url)
+        if cards is None or not self._current(r):
             return False
         r.model_cards = cards
         r.models = {c["id"] for c in cards}
@@ -517,20 +497,8 @@ class Fleet:
 
     # -- load ---------------------------------------------------------------------------------
     async def _scrape(self, r: Replica) -> None:
-        try:
-            async with self.session.get(
-                r.url + "/metrics",
-                headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=self.settings.metrics_timeout_s),
-            ) as resp:
-                if resp.status != 200:
-                    return
-                text = await resp.text()
-            scraped = parse_vllm_metrics(text)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
-            log.debug("replica %s: scraping /metrics failed: %r", r.name, exc)
-            return
-        if not self._current(r):
+        scraped = await self.probes.metrics(r.url)
+        if scraped is None or not self._current(r):
             return
         for cb in self._scrape_listeners:
             try:
