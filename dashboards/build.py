@@ -193,7 +193,7 @@ FLEET = dashboard(
 CACHE = dashboard(
     "kvroute-cache",
     "kvroute / Cache",
-    "Prefix reuse broken down (DESIGN §6): available (an infinite shared cache), predicted (what the "
+    "Prefix reuse broken down (docs/design.md §6): available (an infinite shared cache), predicted (what the "
     "router believed the chosen replica held), delivered (what the engine reported cached).",
     ["datasource", "model"],
     [

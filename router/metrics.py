@@ -1,7 +1,7 @@
 """Prometheus metrics of the router (prefix ``kvroute_``), in a registry of their own.
 
 Token counters rather than ratios, so that several routers add up: the hit-rate breakdown of
-DESIGN §6 is ``reuse_X_tokens_total / prompt_tokens_total`` per model, summed over routers.
+docs/design.md §6 is ``reuse_X_tokens_total / prompt_tokens_total`` per model, summed over routers.
 Series a dashboard names exist from the first scrape: label sets are created at zero as soon as
 their values are known (models and replicas on every scrape, policy reasons at start).
 Per-replica gauges are read from the fleet and the load tracker when scraped, never copied.

@@ -1,4 +1,4 @@
-"""The delivered side of the hit-rate breakdown, as the engines themselves count it (DESIGN §6).
+"""The delivered side of the hit-rate breakdown, as the engines themselves count it (docs/design.md §6).
 
 The router counts what each answer's ``usage.prompt_tokens_details.cached_tokens`` says
 (``kvroute_reuse_delivered_tokens_total``).  Every vLLM replica also counts, on its own

@@ -1,4 +1,4 @@
-"""The hit-rate breakdown of DESIGN §6 on a live router: reuse available, and cache-hostile prompts.
+"""The hit-rate breakdown of docs/design.md §6 on a live router: reuse available, and cache-hostile prompts.
 
 *Available* reuse is what one infinite cache shared by every replica would have hit.  A live router
 cannot remember every prompt, so it remembers the last ``window_blocks`` block hashes per model

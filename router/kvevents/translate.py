@@ -1,4 +1,4 @@
-"""From a replica's KV events to the router's own block hashes (DESIGN §2).
+"""From a replica's KV events to the router's own block hashes (docs/design.md §2.3).
 
 The router never reproduces vLLM's hash: a BlockStored carries each block's tokens and its
 parent's engine hash, so the router hashes the tokens itself, chained from the parent's *router*

@@ -1,4 +1,4 @@
-"""kvroute's own policy: the placement that costs the fleet least, under bounded loads (DESIGN §5).
+"""kvroute's own policy: the placement that costs the fleet least, under bounded loads (docs/design.md §5.7).
 
 The cost, for each eligible replica r holding m_r leading blocks of a P-token prompt:
 

@@ -378,7 +378,7 @@ async def test_multi_turn_sessions_reach_what_is_cacheable_and_round_robin_does_
             runs[policy] = await run_sessions(app.url, tok)
             m = await scrape(app.url)
         prompt = total(m, "kvroute_prompt_tokens_total", model=MODEL)
-        runs[policy]["router_breakdown"] = {  # DESIGN §6, as the router's /metrics reports it
+        runs[policy]["router_breakdown"] = {  # docs/design.md §6, as the router's /metrics reports it
             fig: round(total(m, f"kvroute_reuse_{fig}_tokens_total", model=MODEL) / prompt, 4)
             for fig in ("available", "predicted", "delivered")
         }
