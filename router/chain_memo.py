@@ -4,7 +4,7 @@ next turn of a conversation) hashes only its new part.
 Hashing a chain is one xxh3 call per block from Python: ~400 calls for a 16 KB chat, most of them
 for turns the router hashed on the previous request.  Here the token bytes are cut into spans of
 ``span_blocks`` blocks, and each span gets a key hashed in one xxh3 call over the whole span
-(C speed, ~0.3 µs for 4 KB), chained like the blocks (seeded by the previous span's key, the first
+(at C speed), chained like the blocks (seeded by the previous span's key, the first
 by the namespace seed and the block size).  A span key therefore names the whole prefix up to that
 span's end, and the memo maps it to the span's block hashes.  A new prompt walks its span keys
 while they hit and reuses those hashes; from the first miss on it hashes block by block, as

@@ -3,10 +3,9 @@
 Why not aiohttp's client: every proxied request went through ``ClientSession.post`` — a
 ``ClientRequest`` and a ``ClientResponse``, multidicts for both header sets, yarl URL joins,
 timer and tracing contexts, a ``StreamReader`` and a payload writer.  Measured side by side by
-``python -m bench.upstream_bench`` against an aiohttp server (16 KB POSTs, uvloop, concurrency
-32-64, client CPU per request): aiohttp 70-95 µs for a small JSON answer and 110-125 µs for a
-6-event SSE stream; this client 27-37 µs and 55-65 µs.  In the router (one-line chat, concurrency
-64, ``kvroute router`` CPU per request) that is ~450 -> ~300 µs, non-streamed and streamed alike.
+``python -m bench.upstream_bench`` against an aiohttp server, this client spends well under half
+of aiohttp's client CPU per request, for whole answers and SSE streams alike; the README quotes the
+figures.
 
 The peer is always a vLLM-compatible replica (uvicorn/h11, or aiohttp in the emulated one): one
 POST with a JSON body, answered with a whole body (``Content-Length``), an SSE stream (chunked, or

@@ -40,9 +40,9 @@ proxy that insists on declared keys only would reject it.  The limit is one shar
 ``bench/index_bench.py`` measures about 160 bytes per confirmed or never-expiring entry and 260
 per expiring prediction (Redis 7.0; predictions are short-lived on replicas with events), so a
 25 GB shard holds some 150 M entries, e.g. 64 replicas of 2.4 M blocks each (38 M tokens each
-at 16 tokens a block, far above one GPU's KV cache).  CPU bounds it too: a 512-block write that
-also evicts 512 entries costs the shard 1-1.5 ms (renewals less), so some 700-1,000 such
-requests/s, plus about 0.4 ms per 512-block lookup over 8 holders.  Beyond that, run one index
+at 16 tokens a block, far above one GPU's KV cache).  CPU bounds it too: the same bench times a
+512-block write that also evicts 512 entries, a renewal and a 512-block lookup over 8 holders
+(the README quotes them), which bound the requests/s one shard serves.  Beyond that, run one index
 per model (``shard=model``), which puts each model on its own slot; a chain never spans models
 since the namespace seeds it.  Needs Redis >= 6.2 (or Valkey).
 """
