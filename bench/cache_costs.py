@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bench.processes import REPO
+from replica.assets import TINY_TOKENIZER
 from router.index.base import ReplicaSpec
 from router.index.memory import MemoryIndex
 from router.policy.cost_model import MAX_PREFIX_KEYS, MAX_SESSIONS, SIGNAL_TAU_S, SessionBook
@@ -73,7 +73,7 @@ def prefix_heat(n: int) -> PrefixHeat:
 
 
 def segment_cache(n: int) -> Tokenizer:
-    tok = Tokenizer.from_dir(REPO / "tests" / "assets" / "tiny-tokenizer")
+    tok = Tokenizer.from_dir(TINY_TOKENIZER)
     for i in range(n):
         tok.encode(MESSAGE.format(i))
     return tok

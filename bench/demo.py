@@ -145,7 +145,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=None, help=f"replicas (default {em.replicas}; vllm {vl.replicas})")
     p.add_argument("--sessions", type=int, default=None,
                    help=f"conversations per pass (default {em.sessions}; vllm {vl.sessions})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload, the same in each pass (default 0)")
     p.add_argument("--workload", default="sessions", choices=WORKLOADS,
                    help="sessions (default): the shape of the simulator's sessions; conversation: its production-like "
                    "conversation workload, fitted to a demo (longer: ~2.5 minutes a pass)")

@@ -30,13 +30,13 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from replica.assets import TINY_TOKENIZER
 from replica.vllm_fleet import FleetError  # noqa: F401 - what a fleet's start() raises: the demo reports it
 from router.app import RouterApp
 from router.config import RouterSettings
 
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / "tests" / "assets" / "tiny-tokenizer"  # the router's, unless the fleet names its own
+TOKENIZER_DIR = TINY_TOKENIZER  # the router's, unless the fleet names its own
 ENGINES = ("emulated", "vllm")
 
 

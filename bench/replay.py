@@ -1,7 +1,7 @@
 """`kvroute bench replay`: replay a Mooncake-format trace against any OpenAI-compatible endpoint.
 
 A trace row is `{timestamp (ms), input_length, output_length, hash_ids}`, one hash id per
-512-token block of the prompt; equal leading ids are shared prefixes (/work/shared/traces).
+512-token block of the prompt; equal leading ids are shared prefixes (bench/data/README.md).
 Each row becomes one streaming chat request, sent open loop at its timestamp (divided by
 `--speedup`), whatever the earlier ones are doing (`--start`/`--limit` pick a slice);
 `max_tokens` is its output length (capped by `--max-tokens`).
@@ -45,7 +45,7 @@ import numpy as np
 from .demo_chat import WORDS, RequestRecord, stream_chat
 from .limit import LIMIT_KEYS, available_blocks, limit_ttfts, multiples, percentiles
 from .sim_cli import resolve_profile
-from .workloads import TRACE_BLOCK_TOKENS, load_trace
+from .workloads import DEFAULT_TRACE, DEFAULT_TRACE_NAME, TRACE_BLOCK_TOKENS, load_trace
 
 TEXT_SEED = 512  # the words of a block: a generator keyed by (TEXT_SEED, hash id)
 CALIBRATION_WORDS = 400
@@ -198,7 +198,9 @@ def summarize(result: ReplayResult, profile: Any = None, replica_time_scale: flo
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvroute bench replay", description=__doc__.splitlines()[0])
-    p.add_argument("--trace", required=True, help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids)")
+    p.add_argument("--trace", default=DEFAULT_TRACE, metavar="FILE",
+                   help="Mooncake-format JSONL, gzipped or not (timestamp ms, input_length, output_length, hash_ids; "
+                   f"default: {DEFAULT_TRACE_NAME})")
     p.add_argument("--url", required=True, help="the endpoint's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--speedup", type=float, default=1.0, help="divide the trace's timestamps by this (default 1: real time)")
     p.add_argument("--start", type=int, default=0, help="skip the trace's first K requests (default 0)")

@@ -17,6 +17,20 @@ LIMIT_NOTE = (
     "(only its never-seen blocks prefill); (Nx) = the policy's TTFT percentile over the limit's"
 )
 REUSE_KEYS = ("reuse_available", "reuse_predicted", "reuse_delivered")
+PLOT_EXTRA = "pip install 'kvroute[plot]'"
+
+
+def pyplot(what: str) -> Any:
+    """matplotlib's pyplot on its file-only backend.  matplotlib is the optional `plot` extra:
+    without it, ``what`` (e.g. "kvroute sim --plot") exits saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(f"{what} needs matplotlib, an optional dependency: {PLOT_EXTRA}") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def to_json(policies: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any] | None = None) -> str:
@@ -92,10 +106,7 @@ def print_table(
 
 def plot(ttfts: Mapping[str, np.ndarray], policies: Mapping[str, Mapping[str, Any]], path: str, title: str = "") -> None:
     """TTFT CDF per policy (log time axis) and the three reuse figures per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("kvroute sim --plot")
 
     fig, (ax_cdf, ax_reuse) = plt.subplots(1, 2, figsize=(14, 5.5))
     for name, ttft in ttfts.items():

@@ -44,10 +44,11 @@ import aiohttp
 import numpy as np
 
 from bench.processes import stop_all
+from replica.assets import TINY_TOKENIZER
 from replica.vllm import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "tests" / "assets" / "tiny-tokenizer"
+TOKENIZER = TINY_TOKENIZER
 MODEL = "bench"
 PROMPT_BYTES = 16 * 1024
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -16,17 +16,21 @@ import numpy as np
 from . import report
 from .limit import fleet_limit, percentiles
 from .sim import FleetConfig, PreparedWorkload, offered_load_rate, prepare, simulate_policy
-from .workloads import DEFAULT_REQUESTS, DEFAULT_TRACE, WORKLOADS, Workload, build_workload
+from .workloads import DEFAULT_REQUESTS, DEFAULT_TRACE_NAME, WORKLOADS, Workload, build_workload
 
 RATE_SAMPLE = 5000  # at most this many requests estimate the default rate
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvroute sim", description=__doc__.splitlines()[0])
-    p.add_argument("--workload", required=True, choices=WORKLOADS)
-    p.add_argument("--trace", default=None, help=f"Mooncake-format JSONL for --workload trace (default {DEFAULT_TRACE})")
-    p.add_argument("--replicas", type=int, default=8)
-    p.add_argument("--policy", default="all", help="comma-separated policy names, or 'all'")
+    p.add_argument("--workload", required=True, choices=WORKLOADS,
+                   help="the requests: multi-turn chats (sessions, conversation), one shared document (handbook), "
+                   "a Mooncake trace (trace), or no shared prefixes (random)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help=f"Mooncake-format JSONL (gzipped or not) for --workload trace (default: {DEFAULT_TRACE_NAME})")
+    p.add_argument("--replicas", type=int, default=8, help="emulated engines in the fleet (default 8)")
+    p.add_argument("--policy", default="all",
+                   help=f"comma-separated policy names ({', '.join(policy_names())}), or 'all' (default all)")
     p.add_argument("--rate", type=float, default=None, help="requests/s (default: --load of the fleet's capacity under round_robin)")
     p.add_argument("--load", type=float, default=0.75, help="target share of fleet capacity for the default rate (default 0.75)")
     p.add_argument("--time-scale", type=float, default=None, help="trace: multiply timestamps by this (ignored with --rate)")
@@ -34,7 +38,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     size.add_argument("--requests", "--limit", dest="requests", type=int, default=None,
                       help=f"requests to run; sessions, conversation: a window holding about that many (defaults: {', '.join(f'{k} {v}' for k, v in DEFAULT_REQUESTS.items())})")
     size.add_argument("--duration", type=float, default=None, help="seconds of arrivals (virtual time)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the policies' randomness (default 0)")
     p.add_argument("--profile", default=None, help="engine timing profile (default: the calibrated one)")
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="engines publish no KV events: the index only has the router's predictions")
@@ -43,7 +47,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
+    if args.plot:
+        report.pyplot("kvroute sim --plot")  # missing matplotlib: say so now, not after the run
     return args
+
+
+def policy_names() -> list[str]:
+    from router.policy import POLICIES
+
+    return list(POLICIES)
 
 
 def resolve_policies(spec: str) -> list[str]:

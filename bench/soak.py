@@ -44,8 +44,10 @@ from pathlib import Path
 import aiohttp
 
 from bench.processes import REPO, spawn, stop_all
+from bench.report import pyplot
+from replica.assets import TINY_TOKENIZER
 
-TOKENIZER = REPO / "tests" / "assets" / "tiny-tokenizer"
+TOKENIZER = TINY_TOKENIZER
 MODEL = "soak"
 # --cache-bounds small: reached within a minute at 10 req/s (each request brings ~2 new blocks)
 SMALL_BOUNDS = {"reuse_window_blocks": 1024, "policy_options": {"max_sessions": 100}}  # router settings
@@ -251,10 +253,7 @@ async def run(args: argparse.Namespace) -> tuple[list[Sample], list[tuple[float,
 
 
 def plot(samples: list[Sample], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("python -m bench.soak")
 
     t = [s.t_s / 60 for s in samples]
     fig, (ax_rss, ax_lat) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
@@ -287,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--p99-slack-ms", type=float, default=20.0)
     p.add_argument("--out", type=Path, default=Path("soak"), help="writes OUT.json and OUT.png")
     args = p.parse_args(argv)
+    pyplot("python -m bench.soak")  # before a 10-minute run, not after it
     samples, results = asyncio.run(run(args))
     latencies = [(t, lat) for t, lat, ok in results if ok]
     verdict = analyze(samples, latencies, warmup_s=args.warmup_s, window_s=args.window_s,

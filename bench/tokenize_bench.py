@@ -22,10 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from replica.assets import TINY_TOKENIZER
 from replica.tiny_model import training_corpus
 from router.tokens import Tokenizer
 
-ASSET = Path(__file__).resolve().parents[1] / "tests" / "assets" / "tiny-tokenizer"
+ASSET = TINY_TOKENIZER
 
 
 def _text(seed: int, size: int) -> str:

@@ -21,6 +21,7 @@ Workloads:
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -33,7 +34,10 @@ import numpy as np
 
 VOCAB_SIZE = 128_000  # Llama-3's vocabulary: token ids are drawn below it
 TRACE_BLOCK_TOKENS = 512  # Mooncake traces: one hash id per 512-token block
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+# Mooncake's synthetic trace (bench/data/README.md), shipped in the package: `--workload trace` runs
+# from an installed wheel without a checkout.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
+DEFAULT_TRACE_NAME = "Mooncake's synthetic trace (packaged)"  # what --help shows instead of a path
 
 _TOKEN_DTYPE = np.uint32
 
@@ -440,7 +444,9 @@ def _trace_tokens(hash_ids: tuple[int, ...], input_length: int) -> np.ndarray:
 
 
 def load_trace(path: str | Path) -> list[dict]:
-    with open(path) as f:
+    """A Mooncake-format JSONL file, gzipped or not (by its ``.gz`` suffix)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 

@@ -17,7 +17,7 @@ comes with vLLM, so the model is built with the vLLM environment's Python).
     python -m replica.tiny_model --out DIR [--vocab-size N] [--model]
 
 Two builds with the same arguments give byte-identical files (checked by the tests), so the
-committed copy under ``tests/assets/tiny-tokenizer/`` can always be regenerated and compared.
+committed copy under ``replica/assets/tiny-tokenizer/`` (shipped in the package) can always be regenerated and compared.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from tokenizers import AddedToken, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HfTokenizer
 
 from replica import tiny_model
+from replica.assets import TINY_TOKENIZER
 from router.tokens import (
     ChatTemplateError,
     Tokenizer,
@@ -32,7 +33,7 @@ from router.tokens import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSET = ROOT / "tests" / "assets" / "tiny-tokenizer"
+ASSET = TINY_TOKENIZER  # the committed, packaged copy
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -58,7 +59,7 @@ def test_tokenizer_builds_deterministically_and_matches_committed_asset(tmp_path
         built = (tmp_path / "a" / name).read_bytes()
         assert built == (tmp_path / "b" / name).read_bytes(), f"two builds of {name} differ"
         assert built == (ASSET / name).read_bytes(), (
-            f"committed {name} is stale: regenerate with `python -m replica.tiny_model --out tests/assets/tiny-tokenizer`")
+            f"committed {name} is stale: regenerate with `python -m replica.tiny_model --out replica/assets/tiny-tokenizer`")
     total = sum(p.stat().st_size for p in ASSET.iterdir())
     assert total < 300_000, f"asset is {total} bytes"
 

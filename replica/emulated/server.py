@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from replica.assets import TINY_TOKENIZER
 from router.tokens import Tokenizer
 
 from .driver import EngineDriver, VirtualClock
@@ -39,16 +40,8 @@ DEFAULT_MAX_MODEL_LEN = 32768
 
 
 def default_tokenizer_dir() -> Path:
-    """The project's tiny test tokenizer: the committed copy, else built once into a user cache."""
-    committed = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny-tokenizer"
-    if (committed / "tokenizer.json").is_file():
-        return committed
-    cached = Path.home() / ".cache" / "kvroute" / "tiny-tokenizer"
-    if not (cached / "tokenizer.json").is_file():
-        from replica.tiny_model import build_tokenizer
-
-        build_tokenizer(cached)
-    return cached
+    """The project's tiny tokenizer, shipped in the package (replica/assets)."""
+    return TINY_TOKENIZER
 
 
 @dataclass
@@ -93,7 +86,7 @@ class EmulatedReplica:
         if self.max_model_len > capacity_tokens:
             # vLLM refuses to start when one sequence could not fit in the KV cache.
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache ({capacity_tokens} tokens)")
-        self.tokenizer = tokenizer or Tokenizer.from_dir(config.tokenizer_dir or default_tokenizer_dir())
+        self.tokenizer = tokenizer or Tokenizer.load(config.tokenizer_dir or default_tokenizer_dir())
         self.publisher: KVEventPublisher | None = None
         if config.events_endpoint:
             self.publisher = KVEventPublisher(config.events_endpoint, config.replay_endpoint, topic=config.events_topic)

@@ -1,0 +1,6 @@
+"""Files shipped in the package: the tiny tokenizer of ``replica.tiny_model`` (the emulated
+replicas' default, the demo's and the tests'), so an installed wheel needs no checkout."""
+
+from pathlib import Path
+
+TINY_TOKENIZER = Path(__file__).resolve().parent / "tiny-tokenizer"
