@@ -17,7 +17,7 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: kvroute COMMAND [options]", "", "commands:"]
+    lines = ["usage: kvroute [--version] COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     lines += ["", "`kvroute COMMAND --help` for the options of one command."]
     return "\n".join(lines)
@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from .settings_cli import version
+
+        print(f"kvroute {version()}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:

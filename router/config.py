@@ -38,6 +38,9 @@ from pydantic_settings import (
 )
 
 from .fleet import FleetSettings
+from .policy import POLICIES
+from .settings_cli import cli_source
+from .settings_cli import hint as _hint
 
 # The config file of the settings being built (the sources hook is a classmethod: no instance yet).
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("kvroute_config_file", default=None)
@@ -81,24 +84,37 @@ class RouterSettings(BaseSettings):
     )
 
     config: Path | None = Field(None, description="config file (.toml or .json; .yaml with PyYAML)")
+    # `_hint(NAME)`: what --help calls a flag's value where router/settings_cli.py's rule says less
 
     # -- listening -------------------------------------------------------------------------
-    host: str = Field("0.0.0.0", description="address to listen on")
+    host: str = Field("0.0.0.0", description="address to listen on", json_schema_extra=_hint("ADDRESS"))
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
 
     # -- fleet -----------------------------------------------------------------------------
     replicas: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="replica base URLs, comma-separated (added to fleet.replicas)"
+        default_factory=list, description="replica base URLs, comma-separated (added to fleet.replicas)",
+        json_schema_extra=_hint("URL[,URL...]"),
     )
     fleet: FleetSettings = Field(default_factory=FleetSettings, description="replica discovery and health")
 
     # -- routing ---------------------------------------------------------------------------
-    policy: str = Field("cost_model", description="routing policy (router/policy)")
-    policy_options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the policy")
-    tokenizer: str | None = Field(None, description="tokenizer directory for models without their own")
-    tokenizers: dict[str, str] = Field(default_factory=dict, description="model name -> tokenizer directory")
+    policy: str = Field("cost_model", description="routing policy", json_schema_extra=_hint("{" + ",".join(POLICIES) + "}"))
+    policy_options: dict[str, Any] = Field(
+        default_factory=dict, description="keyword options of the policy, e.g. '{\"epsilon\": 0.5}'",
+        json_schema_extra=_hint("JSON"),
+    )
+    tokenizer: str | None = Field(
+        None, description="tokenizer of models without their own: a directory, or a Hugging Face model id "
+        "(fetched through its cache; HF_HUB_OFFLINE=1 reads only the cache)", json_schema_extra=_hint("DIR|HF_ID"),
+    )
+    tokenizers: dict[str, str] = Field(
+        default_factory=dict, description="a model's tokenizer (directory or Hugging Face id); repeat the flag per model",
+        json_schema_extra=_hint("MODEL=DIR|HF_ID"),
+    )
     redis_url: str | None = Field(None, description="Redis URL: shared prefix index (and fleet discovery)")
-    redis_key_prefix: str = Field("kvroute", description="prefix of every Redis key the index writes")
+    redis_key_prefix: str = Field(
+        "kvroute", description="prefix of every Redis key the index writes", json_schema_extra=_hint("PREFIX")
+    )
     index_timeout_s: float = Field(0.2, gt=0, description="index call budget before routing without it")
     index_key_ttl_s: float = Field(
         600.0, gt=0, description="life of a Redis index key nobody writes or refreshes (routers refresh theirs every second)"
@@ -131,7 +147,8 @@ class RouterSettings(BaseSettings):
 
     # -- security --------------------------------------------------------------------------
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list, description="client API keys, comma-separated (empty: no auth)"
+        default_factory=list, description="client API keys, comma-separated (empty: no auth)",
+        json_schema_extra=_hint("KEY[,KEY...]"),
     )
     admin_token: SecretStr | None = Field(None, description="bearer token of /admin/ (unset: admin disabled)")
     tenant_isolation: bool = Field(False, description="derive cache_salt from the client's API key")
@@ -168,12 +185,19 @@ class RouterSettings(BaseSettings):
         200_000, gt=0, description="block hashes kept per model for reuse-available (LRU; ~42 MB a model at 200k)"
     )
     max_client_labels: int = Field(100, gt=0, description="distinct client labels in metrics; more -> 'other'")
-    log_level: str = Field("info", description="logging level")
+    log_level: str = Field("info", description="logging level", json_schema_extra=_hint("{debug,info,warning,error}"))
 
     @field_validator("replicas", mode="before")
     @classmethod
     def _split_replicas(cls, value: Any) -> Any:
         return _comma_list(value)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy {value!r}; choose from {', '.join(POLICIES)}")
+        return value
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -240,6 +264,6 @@ def load_settings(argv: Sequence[str] | None = None, **overrides: Any) -> Router
     try:
         if argv is None:
             return RouterSettings(**overrides)
-        return RouterSettings(_cli_parse_args=list(argv), **overrides)
+        return RouterSettings(_cli_settings_source=cli_source(RouterSettings, "kvroute router", argv), **overrides)
     finally:
         _config_file.reset(token)

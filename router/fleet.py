@@ -40,6 +40,7 @@ from .discovery import (
 from .registry import ReplicaRecord
 from .probes import ReplicaProbes
 from .scrape import ScrapeResult
+from .settings_cli import hint
 
 log = logging.getLogger(__name__)
 
@@ -50,28 +51,45 @@ FleetEvent = Literal["joined", "left", "up", "down", "restarted", "changed"]
 class FleetSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt setting is an error, as at the top level
 
-    replicas: list[str] = []  # static base URLs, e.g. http://127.0.0.1:8001
-    discovery_redis: bool = False  # read registrations from Redis (needs redis_url)
-    redis_url: str | None = None
-    redis_key_prefix: str = "kvroute"
-    dns_name: str | None = None  # host:port of a headless service; each A/AAAA record is a replica
-    dns_scheme: str = "http"
+    replicas: list[str] = Field(
+        [], description="static replica base URLs, comma-separated (e.g. http://10.0.0.1:8000)",
+        json_schema_extra=hint("URL[,URL...]"),
+    )
+    discovery_redis: bool = Field(False, description="read replica registrations from Redis (needs redis_url)")
+    redis_url: str | None = Field(None, description="Redis of the registrations (unset: the router's --redis-url)")
+    redis_key_prefix: str = Field(
+        "kvroute", description="prefix of the registration keys (unset here: the router's --redis-key-prefix)",
+        json_schema_extra=hint("PREFIX"),
+    )
+    dns_name: str | None = Field(
+        None, description="host:port of a headless service; each A/AAAA record is a replica",
+        json_schema_extra=hint("HOST:PORT"),
+    )
+    dns_scheme: str = Field("http", description="scheme of the replicas found by DNS", json_schema_extra=hint("{http,https}"))
     # "auto": IPv4 addresses when the name has any, else IPv6 (a dual-stack pod, or localhost,
     # answers with both families: counting it twice would double its share of traffic).
-    dns_family: Literal["auto", "ipv4", "ipv6", "both"] = "auto"
-    replica_api_key: str | None = None  # sent upstream as Bearer (separate from client keys)
-    health_interval_s: float = Field(2.0, gt=0)
-    health_timeout_s: float = Field(1.0, gt=0)
-    unhealthy_after: int = Field(3, ge=1)  # consecutive failed health checks that take a replica out
-    metrics_interval_s: float = Field(1.0, gt=0)
-    metrics_timeout_s: float = Field(1.0, gt=0)
-    models_refresh_s: float = Field(30.0, gt=0)  # re-read /v1/models of healthy replicas
-    discovery_timeout_s: float = Field(2.0, gt=0)  # Redis listing or DNS lookup
-    breaker_failures: int = Field(3, ge=1)  # consecutive failures that open the circuit
-    breaker_cooldown_s: float = Field(5.0, gt=0)  # open -> half-open after this
-    block_size: int | None = Field(None, gt=0)  # override; else from vllm:cache_config_info
-    capacity_blocks: int | None = Field(None, gt=0)  # override; else num_gpu_blocks label
-    fallback_capacity_blocks: int = Field(65536, gt=0)  # index bound while a capacity is unknown
+    dns_family: Literal["auto", "ipv4", "ipv6", "both"] = Field(
+        "auto", description="address family of DNS replicas (auto: IPv4 when the name has any, else IPv6)"
+    )
+    replica_api_key: str | None = Field(
+        None, description="sent to replicas as Bearer (not a client key)", json_schema_extra=hint("KEY")
+    )
+    health_interval_s: float = Field(2.0, gt=0, description="seconds between health checks of a replica")
+    health_timeout_s: float = Field(1.0, gt=0, description="a health check slower than this failed")
+    unhealthy_after: int = Field(3, ge=1, description="consecutive failed health checks that take a replica out")
+    metrics_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of a replica's /metrics (load)")
+    metrics_timeout_s: float = Field(1.0, gt=0, description="a /metrics scrape slower than this failed")
+    models_refresh_s: float = Field(30.0, gt=0, description="seconds between reads of healthy replicas' /v1/models")
+    discovery_timeout_s: float = Field(2.0, gt=0, description="budget of a Redis listing or DNS lookup")
+    breaker_failures: int = Field(3, ge=1, description="consecutive request failures that open a replica's circuit")
+    breaker_cooldown_s: float = Field(5.0, gt=0, description="an open circuit goes half-open (one trial) after this")
+    block_size: int | None = Field(
+        None, gt=0, description="KV block size in tokens (unset: the replicas' vllm:cache_config_info)"
+    )
+    capacity_blocks: int | None = Field(
+        None, gt=0, description="KV capacity of a replica in blocks (unset: its num_gpu_blocks)"
+    )
+    fallback_capacity_blocks: int = Field(65536, gt=0, description="index bound of a replica while its capacity is unknown")
 
     @field_validator("replicas", mode="before")
     @classmethod
