@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="served model name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, printed at start)")
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="directory with tokenizer.json (+ tokenizer_config.json); default: the project's tiny tokenizer")
+    p.add_argument("--tokenizer", metavar="DIR|HF_ID", default=None,
+                   help="directory with tokenizer.json (+ tokenizer_config.json), or a Hugging Face model id; "
+                   "default: the project's tiny tokenizer")
     p.add_argument("--profile", default="default", choices=sorted(PROFILES), help="timing profile of the emulated engine")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the profile's)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV capacity in blocks (default: the profile's)")

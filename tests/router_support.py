@@ -243,11 +243,13 @@ class RouterProcess:
         self.port = int(url.rsplit(":", 1)[1])
 
     @classmethod
-    async def start(cls, replica_urls: list[str], *args: str) -> RouterProcess:
+    async def start(
+        cls, replica_urls: list[str], *args: str, tokenizer: str = TINY_TOKENIZER, env: dict[str, str] | None = None
+    ) -> RouterProcess:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0",
-            "--replicas", ",".join(replica_urls), "--tokenizer", TINY_TOKENIZER, "--log-level", "warning", *args,
-            stdout=asyncio.subprocess.PIPE, cwd=str(REPO),
+            "--replicas", ",".join(replica_urls), "--tokenizer", tokenizer, "--log-level", "warning", *args,
+            stdout=asyncio.subprocess.PIPE, cwd=str(REPO), env=env,
         )  # fmt: skip
         assert proc.stdout is not None
         try:

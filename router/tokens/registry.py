@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .client_templates import ClientTemplates
+from .hub import hub_model_id, tokenizer_dir
 from .tokenizer import Tokenizer
 
 
@@ -39,13 +40,15 @@ class TokenizerRegistry:
         client_templates: ClientTemplates | None = None,
         **tokenizer_kwargs: Any,
     ) -> TokenizerRegistry:
-        """Load every configured directory now, so a bad path fails at startup, not on a request."""
+        """Load every configured tokenizer now (a directory, or a Hugging Face model id fetched
+        through its cache), so a bad path or id fails at startup, not on a request."""
         loaded: dict[Path, Tokenizer] = {}
 
-        def load(path: str | os.PathLike[str]) -> Tokenizer:
-            key = Path(path).resolve()
+        def load(spec: str | os.PathLike[str]) -> Tokenizer:
+            key = tokenizer_dir(spec).resolve()  # a Hub id and its snapshot's path share one Tokenizer
             if key not in loaded:
-                loaded[key] = Tokenizer.from_dir(key, **tokenizer_kwargs)
+                name = str(spec) if hub_model_id(spec) else key.name
+                loaded[key] = Tokenizer.from_dir(key, name=name, **tokenizer_kwargs)
             return loaded[key]
 
         by_model = {model: load(path) for model, path in (dirs or {}).items()}

@@ -180,6 +180,15 @@ class Tokenizer:
     # ---------------------------------------------------------------- construction
 
     @classmethod
+    def load(cls, spec: str | os.PathLike[str], **kwargs: Any) -> Tokenizer:
+        """A tokenizer from a directory or a Hugging Face model id (:mod:`router.tokens.hub`)."""
+        from .hub import hub_model_id, tokenizer_dir
+
+        if hub_model_id(spec) is not None:
+            kwargs.setdefault("name", str(spec))
+        return cls.from_dir(tokenizer_dir(spec), **kwargs)
+
+    @classmethod
     def from_dir(cls, path: str | os.PathLike[str], *, chat_template: str | os.PathLike[str] | None = None, **kwargs: Any) -> Tokenizer:
         """Load ``tokenizer.json`` + ``tokenizer_config.json`` (and a chat template file) from a
         directory; :func:`router.tokens.loading.read_dir` says where the template comes from."""
