@@ -1,0 +1,127 @@
+"""The built wheel, installed into a fresh virtualenv, runs on its own: `kvroute --version`, `kvroute
+sim` on the packaged trace and `kvroute demo` on the packaged tokenizer, from a directory outside
+the repository, with no PYTHONPATH.
+
+Nothing is downloaded: the wheel is built without isolation (`build`, `setuptools` and `wheel` come
+with the test extra) from a copy of the sources (the checkout stays clean), and installed with
+``--no-deps --no-index``; the dependencies come from this interpreter's site-packages through a
+.pth file (a path line: the .pth files there, such as the checkout's editable install, stay inert).
+The copy's version gets a local suffix, so `--version` can only come from the wheel's metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = ("pyproject.toml", "README.md", "router", "replica", "bench")
+WHEEL_VERSION = metadata.version("kvroute") + "+wheel.test"
+
+
+@dataclass
+class Installed:
+    venv: Path
+    cwd: Path  # outside the repository
+    env: dict[str, str]
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(self.venv / "bin" / args[0]), *args[1:]], capture_output=True, text=True,
+                              timeout=timeout, cwd=self.cwd, env=self.env)
+
+
+def run_checked(cmd: list[str], **kwargs) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, **kwargs)
+    assert done.returncode == 0, f"{' '.join(cmd[:4])} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Installed:
+    if importlib.util.find_spec("build") is None:
+        pytest.fail("the wheel test needs `build` (the test extra): pip install -e '.[test]'")
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(REPO / name, src / name)
+    pyproject = src / "pyproject.toml"
+    text = pyproject.read_text()
+    assert f'version = "{metadata.version("kvroute")}"' in text
+    pyproject.write_text(text.replace(f'version = "{metadata.version("kvroute")}"', f'version = "{WHEEL_VERSION}"', 1))
+    run_checked([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp / "dist"), str(src)])
+    (wheel,) = (tmp / "dist").glob("kvroute-*.whl")
+
+    venv = tmp / "venv"
+    run_checked([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    venv_python = str(venv / "bin" / "python")
+    site = subprocess.run([venv_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    deps = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    Path(site, "kvroute-deps.pth").write_text("".join(f"{p}\n" for p in deps))
+    run_checked([sys.executable, "-m", "pip", "--python", venv_python, "install", "--no-deps", "--no-index", str(wheel)])
+
+    cwd = tmp / "elsewhere"
+    cwd.mkdir()
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return Installed(venv, cwd, env)
+
+
+def test_the_installed_package_is_imported_not_the_checkout(installed):
+    done = installed.run("python", "-c", "import sys, bench, replica, router; "
+                         "print('\\n'.join([bench.__file__, replica.__file__, router.__file__, *sys.path]))")
+    assert done.returncode == 0, done.stderr
+    *modules, = done.stdout.splitlines()[:3]
+    assert all(Path(m).is_relative_to(installed.venv) for m in modules), modules
+    assert str(REPO) not in done.stdout.splitlines()[3:], "the checkout is on sys.path"
+
+
+def test_version_comes_from_the_wheel(installed):
+    done = installed.run("kvroute", "--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"kvroute {WHEEL_VERSION}"
+
+
+def test_sim_runs_the_packaged_trace(installed):
+    done = installed.run("kvroute", "sim", "--workload", "trace", "--requests", "40", "--replicas", "2",
+                         "--policy", "cost_model,round_robin", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["workload"] == "trace"
+    assert {name: p["requests"] for name, p in result["policies"].items()} == {"cost_model": 40, "round_robin": 40}
+
+
+def test_demo_runs_on_the_packaged_tokenizer(installed):
+    done = installed.run("kvroute", "demo", "--replicas", "2", "--sessions", "6", "--session-rate", "8",
+                         "--time-scale", "0.05", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    served = {name: p["requests"] for name, p in result["policies"].items()}
+    assert set(served) == {"round_robin", "cost_model"}
+    assert served["cost_model"] == served["round_robin"] == result["requests_sent"] > 0
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(installed, tmp_path):
+    """matplotlib is the `plot` extra: hide it (a package that fails to import first on the path)
+    and `kvroute sim --plot` stops before simulating, naming the extra."""
+    hidden = tmp_path / "no-matplotlib" / "matplotlib"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    env = installed.env | {"PYTHONPATH": str(hidden.parent)}
+    done = subprocess.run([str(installed.venv / "bin" / "kvroute"), "sim", "--workload", "random", "--requests", "10",
+                           "--plot", str(tmp_path / "x.png")], capture_output=True, text=True, timeout=60,
+                          cwd=installed.cwd, env=env)
+    assert done.returncode != 0
+    assert "kvroute sim --plot needs matplotlib" in done.stderr and "kvroute[plot]" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "x.png").exists()
