@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("emulated", "vllm"), default="emulated",
                    help="emulated: modelled prefix cache and timing; vllm: launch a real vLLM")
     p.add_argument("--model", required=True, help="served model name")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, printed at start)")
     p.add_argument("--tokenizer", metavar="DIR|HF_ID", default=None,
                    help="directory with tokenizer.json (+ tokenizer_config.json), or a Hugging Face model id; "
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall seconds per emulated second: 0.1 runs 10x faster, 0 answers at once")
     p.add_argument("--default-max-tokens", type=int, default=16,
                    help="output length of chat requests that set no max_tokens (they finish with 'stop')")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     _add_registration_arguments(p.add_argument_group("registration in Redis (both engines)"))
     _add_vllm_arguments(p.add_argument_group("--engine vllm"))
     return p
@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_registration_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--redis-url", default=os.environ.get("KVROUTE_REDIS_URL"),
                    help="register the replica there (default: $KVROUTE_REDIS_URL; unset: no registration)")
-    g.add_argument("--redis-key-prefix", default=os.environ.get("KVROUTE_REDIS_KEY_PREFIX", "kvroute"))
+    g.add_argument("--redis-key-prefix", default=os.environ.get("KVROUTE_REDIS_KEY_PREFIX", "kvroute"),
+                   help="prefix of the registration keys, the routers' (default $KVROUTE_REDIS_KEY_PREFIX or kvroute)")
     g.add_argument("--name", default=None, help="registration name (default: the replica's URL)")
     g.add_argument("--registration-ttl", type=float, default=15.0, help="seconds a registration outlives its last heartbeat")
     g.add_argument("--advertise-host", default=None,

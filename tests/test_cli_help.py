@@ -84,7 +84,7 @@ def test_the_help_check_catches_what_pydantic_settings_prints_by_default():
         assert_readable("options:\n  --port N   (default: 8000)\n  --a A  a\n  --b B  b\n  --c C  c\n")
 
 
-@pytest.mark.parametrize("command", [("sim",), ("demo",), ("bench", "replay")])
+@pytest.mark.parametrize("command", [("sim",), ("demo",), ("bench", "replay"), ("replica",)])
 def test_other_commands_help_is_readable(command):
     assert_readable(kvroute(*command, "--help"))
 
