@@ -39,7 +39,7 @@ def tokenizer_dir(spec: str | os.PathLike[str]) -> Path:
         return Path(spec).expanduser()
     repo_id, revision = hub
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.utils import EntryNotFoundError
 
     try:
         snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(TOKENIZER_FILES)))
