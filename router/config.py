@@ -255,6 +255,13 @@ def _config_path(argv: Sequence[str] | None, env: dict[str, str]) -> Path | None
     return Path(value) if value else None
 
 
+CLI_DESCRIPTION = """\
+The cache-aware router: an OpenAI-compatible endpoint in front of vLLM replicas, sending each
+request where its prompt's prefix is cached.  Every flag is also an environment variable
+(KVROUTE_PORT; nested: KVROUTE_FLEET__HEALTH_INTERVAL_S) and a key of the --config file;
+flags win over the environment, which wins over the file."""
+
+
 def load_settings(argv: Sequence[str] | None = None, **overrides: Any) -> RouterSettings:
     """Settings from flags (``argv``; None reads no flags), env, the config file and ``overrides``."""
     import os
@@ -264,6 +271,7 @@ def load_settings(argv: Sequence[str] | None = None, **overrides: Any) -> Router
     try:
         if argv is None:
             return RouterSettings(**overrides)
-        return RouterSettings(_cli_settings_source=cli_source(RouterSettings, "kvroute router", argv), **overrides)
+        source = cli_source(RouterSettings, "kvroute router", argv, description=CLI_DESCRIPTION)
+        return RouterSettings(_cli_settings_source=source, **overrides)
     finally:
         _config_file.reset(token)

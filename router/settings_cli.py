@@ -98,11 +98,13 @@ def _readable_add_argument(metavars: dict[str, str | None]) -> Callable[..., Any
     return add_argument
 
 
-def cli_source(settings_cls: type[BaseSettings], prog: str, args: Sequence[str]) -> CliSettingsSource[Any]:
+def cli_source(
+    settings_cls: type[BaseSettings], prog: str, args: Sequence[str], description: str | None = None
+) -> CliSettingsSource[Any]:
     """The settings' command line (the model_config's ``cli_*`` options), parsed from ``args``;
     ``--version`` prints the installed version."""
     config = settings_cls.model_config
-    parser = argparse.ArgumentParser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"{prog} {version()}",
                         help="print the installed version and exit")
     metavars = {dest: metavar(dest.rsplit(".", 1)[-1], field) for dest, field in flag_fields(settings_cls)}
