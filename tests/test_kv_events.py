@@ -218,7 +218,7 @@ async def test_cached_prompts_become_confirmed_under_router_hashes(tokenizer, se
     index = await new_index(replica.num_gpu_blocks)
     try:
         async with following(index, replica.events_endpoint, replica.replay_endpoint, live=replica.publisher) as sub:
-            lag_before = sample(sub, "kvroute_kv_event_lag_seconds_count")
+            lag_before = sample(sub, "kvroute_kv_event_lag_seconds_count", replica=NAME)
             applied_before = sub.status(NAME).batches_applied
             plain, salted = conversation("tokenizers"), conversation("schedulers")
             await chat(session, replica, plain)
@@ -236,7 +236,7 @@ async def test_cached_prompts_become_confirmed_under_router_hashes(tokenizer, se
             assert await index.entry_count(NAME) == replica.engine.pool.num_cached
             assert sample(sub, "kvroute_kv_events_applied_total", replica=NAME, type="BlockStored") >= 2
             # lag is measured for every live batch
-            lag = sample(sub, "kvroute_kv_event_lag_seconds_count") - lag_before
+            lag = sample(sub, "kvroute_kv_event_lag_seconds_count", replica=NAME) - lag_before
             assert lag == sub.status(NAME).batches_applied - applied_before > 0
     finally:
         await replica.stop()
@@ -309,7 +309,7 @@ async def test_first_contact_replays_the_history_and_drops_stale_entries(tokeniz
             assert status.replays == 1 and status.last_seq == replica.publisher.next_seq - 1
             assert status.checks == 1  # once the connection settled: nothing new
             # the replayed batches are history: no lag is recorded for them
-            assert sample(sub, "kvroute_kv_event_lag_seconds_count") == 0
+            assert sample(sub, "kvroute_kv_event_lag_seconds_count", replica=NAME) == 0
     finally:
         await replica.stop()
 

@@ -75,7 +75,7 @@ class IndexWriter:
             return False
         now = time.time()
         for ts in lag_ts:
-            self._metrics.lag.observe(max(0.0, now - ts))
+            self._series.lag.observe(max(0.0, now - ts))
         if lag_ts:
             self.last_lag_s = now - lag_ts[-1]
         for kind, n in events.items():

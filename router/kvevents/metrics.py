@@ -30,6 +30,7 @@ class KVEventMetrics:
         self.lag = Histogram(
             "kvroute_kv_event_lag_seconds",
             "live batches: now minus the batch's engine timestamp, when its index writes are done",
+            ["replica"],  # per replica: a skewed clock or a slow stream is one replica's
             buckets=LAG_BUCKETS,
             registry=r,
         )
@@ -61,6 +62,7 @@ class ReplicaSeries:
         self.gaps = m.gaps.labels(replica)
         self.replays = m.replays.labels(replica)
         self.restarts = m.restarts.labels(replica)
+        self.lag = m.lag.labels(replica)
 
 
 __all__ = ["EVENT_TYPES", "KVEventMetrics", "LAG_BUCKETS", "ReplicaSeries"]
