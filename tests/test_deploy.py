@@ -37,8 +37,8 @@ def tool(name: str) -> str:
     return path
 
 
-def run(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> str:
-    out = subprocess.run(args, capture_output=True, text=True, cwd=cwd, timeout=120, env=env)
+def run(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None, input: str | None = None) -> str:
+    out = subprocess.run(args, capture_output=True, text=True, cwd=cwd, timeout=120, env=env, input=input)
     assert out.returncode == 0, f"{' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
     return out.stdout
 
@@ -361,10 +361,35 @@ def test_chart_autoscaler_and_monitoring_objects():
         assert len(selected) == 1 and {p["name"] for p in selected[0]["spec"]["ports"]} >= {"http"}
         assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
     (rule,) = kinds["PrometheusRule"]
-    assert rule["spec"]["groups"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"]
+    assert rule["spec"]["groups"] == chart_rules("rel-kvroute-router", "docs/runbook.md")
     boards = {k: json.loads(v) for cm in kinds["ConfigMap"] for k, v in cm["data"].items()}
     assert set(boards) == {p.name for p in (REPO / "dashboards").glob("*.json")}
     assert all(cm["metadata"]["labels"]["grafana_dashboard"] == "1" for cm in kinds["ConfigMap"])
+
+
+def chart_rules(router_job: str, runbook: str) -> list[dict]:
+    """alerts.yml's groups as the chart's PrometheusRule should carry them: the routers' job in
+    place of compose's, runbook links under ``runbook``."""
+    text = (DEPLOY / "prometheus" / "alerts.yml").read_text()
+    text = text.replace('job="kvroute"', f'job="{router_job}"').replace("runbook_url: docs/runbook.md#",
+                                                                        f"runbook_url: {runbook}#")
+    return yaml.safe_load(text)["groups"]
+
+
+def test_chart_alerts_link_the_runbook_and_watch_the_router_job():
+    base = "https://git.example.com/acme/kvroute/blob/v1/docs/runbook.md"
+    (rule,) = helm_template("metrics.prometheusRule.enabled=true", f"alerts.runbookBaseUrl={base}/",
+                            show_only="templates/prometheusrule.yaml")
+    assert rule["spec"]["groups"] == chart_rules("rel-kvroute-router", base)
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert alerts and all(r["annotations"]["runbook_url"] == f"{base}#{r['alert'].lower()}" for r in alerts)
+    (down,) = [r for r in alerts if r["alert"] == "KvrouteRouterTargetDown"]
+    assert down["expr"].strip() == 'up{job="rel-kvroute-router"} == 0'
+    (rule,) = helm_template("metrics.prometheusRule.enabled=true", "alerts.routerJob=kvroute-routers",
+                            show_only="templates/prometheusrule.yaml")
+    assert rule["spec"]["groups"] == chart_rules("kvroute-routers", "docs/runbook.md")
+    out = run(tool("promtool"), "check", "rules", "/dev/stdin", input=yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    assert "SUCCESS" in out
 
 
 def test_chart_rejects_bad_values():
