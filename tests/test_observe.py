@@ -3,23 +3,29 @@
 One fleet for the module, on loopback:
 
 - router A (``kvroute router`` process, cost_model, the shared Redis under a test key prefix) in
-  front of 3 emulated replicas of ``tiny`` (found through their Redis registrations, which carry
-  their KV-event endpoints), 3 of ``hot`` and one replica of ``broken`` that answers every
-  generation with a 500 and whose registered KV-event endpoint is a publisher that skips
-  sequence numbers;
+  front of 3 emulated replicas of ``tiny`` and one of ``quiet`` (found through their Redis
+  registrations, which carry their KV-event endpoints), 3 of ``hot``, one replica of ``broken``
+  that answers every generation with a 500 and whose registered KV-event endpoint is a publisher
+  that skips sequence numbers, and one of ``lagging`` (no request goes there) whose publisher
+  stamps its batches 30 s in the past;
 - router B (``kvroute router`` process, round_robin, a Redis URL where nothing listens) in front of
   6 emulated replicas of ``tiny-rr``;
-- Prometheus (Debian's ``prometheus``) scraping both routers and every emulated replica each
+- router C (round_robin, no Redis) in front of one emulated replica of ``solo``;
+- Prometheus (Debian's ``prometheus``) scraping the routers and the emulated replicas each
   second, with ``deploy/prometheus/alerts.yml`` loaded (its windows shortened to seconds and its
   ``for`` durations to zero, so the alerts can fire within the test; thresholds unchanged);
 - load from the official ``openai`` client: multi-turn sessions on ``tiny`` (A) and ``tiny-rr``
-  (B), one repeated long prompt on ``hot``, requests for ``broken``, and prompts that start with
-  a timestamp before a long shared document (cache-hostile) from one client.
+  (B), one repeated long prompt on ``hot``, requests for ``broken`` and ``quiet``, and prompts that
+  start with a timestamp before a long shared document (cache-hostile) from one client.
 
 Each alert is made to fire by the condition it names: round-robin routing of sessions leaves
 delivered reuse far below available (``tiny-rr``), routing a hot prefix to its holder concentrates
-``hot`` on one replica, router B's Redis is unreachable, ``broken`` answers 5xx, its KV-event
-stream has gaps.  Where a condition is absent, its alert must stay silent.
+``hot`` on one replica, router B's Redis is unreachable (a warning), ``broken`` answers 5xx and its
+breaker keeps opening, its KV-event stream has gaps, ``lagging``'s events arrive late; the last
+tests stop ``quiet``'s publisher (stream down), kill ``solo`` (no healthy replica) and stop router C
+(target down).  Where a condition is absent, its alert must stay silent.
+Every dashboard query is evaluated with Grafana's "All" for each variable, and with each of
+``$namespace``, ``$job``, ``$replica`` set to a value nothing has (every query then comes back empty).
 
 The replicas and the load run on an event loop in a background thread, so the fleet keeps running
 between the (synchronous) tests; routers and Prometheus are child processes.
@@ -60,12 +66,17 @@ ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
 
 WINDOW = "10s"  # replaces the rules' minute windows and Grafana's $__rate_interval (1 s scrapes)
-VARIABLES = {"$__rate_interval": WINDOW, "$__interval": "2s", "$__range": "60s", "$model": ".*", "$replica": ".*"}
+# Grafana's "All" of each template variable is the regex .*
+VARIABLES = {"$__rate_interval": WINDOW, "$__interval": "2s", "$__range": "60s", "$model": ".*", "$replica": ".*",
+             "$job": ".*", "$namespace": ".*"}
+SELECTIONS = ("$namespace", "$job", "$replica")  # every query honours each
 TIME_SCALE = 0.1  # emulated engines run 10x faster than the profile (an H100 serving an 8B model)
 ALERT_TIMEOUT_S = 60.0
 # the alerts of deploy/prometheus/alerts.yml, each made to fire by its condition below
 EXPECTED_ALERTS = ("KvrouteDeliveredReuseLow", "KvrouteReplicaShareHigh", "KvrouteRedisErrors", "KvrouteRouter5xx",
-                   "KvrouteKvEventGaps", "KvrouteIndexRebuilt")
+                   "KvrouteKvEventGaps", "KvrouteIndexRebuilt", "KvrouteNoHealthyReplica", "KvrouteRouterTargetDown",
+                   "KvrouteBreakerOpen", "KvrouteKvEventStreamDown", "KvrouteKvEventLagHigh")
+RUNBOOK = REPO / "docs" / "runbook.md"
 
 
 def _binary(name: str) -> str:
@@ -329,6 +340,14 @@ class Load:
                              messages=[{"role": "user", "content": "Hello?"}])
             await asyncio.sleep(0.1)
 
+    async def quiet(self, client: Any) -> None:
+        """New prompts for `quiet`, whose replica publishes KV events until a test stops them."""
+        rng = random.Random(13)
+        while not self.stop.is_set():
+            await self._chat(client, "quiet", model="quiet", max_tokens=2,
+                             messages=[{"role": "user", "content": words(rng, 60)}])
+            await asyncio.sleep(0.2)
+
     async def hostile(self, client: Any) -> None:
         """A timestamp before a long shared document: no prefix cache can reuse it."""
         rng = random.Random(11)
@@ -350,7 +369,7 @@ class Load:
                 # one session at a time over 6 replicas: round-robin sends each turn to another
                 # replica, and a turn finds its earlier turns only 6 turns later
                 self.sessions(b, "tiny-rr", "tiny-rr", 100, turns=8, system_words=10, user_words=60),
-                self.hot_prompt(a), self.broken(a), self.hostile(a),
+                self.hot_prompt(a), self.broken(a), self.hostile(a), self.quiet(a),
                 *(task(self.stop) for task in also),
             )
         finally:
@@ -375,16 +394,19 @@ async def register_replicas(prefix: str, records: list[Any]) -> None:
         await client.aclose()
 
 
-class GapPublisher:
-    """A KV-event publisher that loses batches: vLLM's frames (topic, seq, msgpack EventBatch)
-    with every ``skip_every``-th sequence number never sent, as a PUB socket past its high-water
-    mark drops them.  The batches carry no events: a gap is a property of the sequence alone."""
+class StubPublisher:
+    """A KV-event publisher of empty batches in vLLM's frames (topic, seq, msgpack EventBatch).
+    With ``skip_every``, every ``skip_every``-th sequence number is never sent, as a PUB socket past
+    its high-water mark drops them (a gap is a property of the sequence alone); with ``late_s``,
+    each batch's engine timestamp is that far in the past (a stream that lags, or a replica
+    whose clock runs behind)."""
 
-    def __init__(self, skip_every: int = 5, interval_s: float = 0.2):
+    def __init__(self, skip_every: int = 0, late_s: float = 0.0, interval_s: float = 0.2):
         import zmq
         import zmq.asyncio
 
         self.skip_every = skip_every
+        self.late_s = late_s
         self.interval_s = interval_s
         self.socket = zmq.asyncio.Context.instance().socket(zmq.PUB)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
@@ -397,10 +419,10 @@ class GapPublisher:
         seq = 0
         try:
             while not stop.is_set():
-                if seq % self.skip_every == self.skip_every - 1:
+                if self.skip_every and seq % self.skip_every == self.skip_every - 1:
                     self.skipped += 1
                 else:
-                    payload = msgspec.msgpack.encode([time.time(), [], 0])
+                    payload = msgspec.msgpack.encode([time.time() - self.late_s, [], 0])
                     await self.socket.send_multipart((b"kv", seq.to_bytes(8, "big"), payload))
                     self.sent += 1
                 seq += 1
@@ -421,8 +443,12 @@ class Fleet:
     load: Load
     replicas: dict[str, list[str]]
     started_at: float
-    gaps: GapPublisher
+    gaps: StubPublisher
     redis_prefix: str  # router A's index keys
+    late: StubPublisher  # the `lagging` replica's events, stamped 30 s in the past
+    router_c: RouterProcess  # in front of `solo` alone
+    emulated: dict[str, Any]  # model -> its EmulatedReplica (quiet, solo)
+    loop: LoopThread
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -442,14 +468,16 @@ async def _start_replicas(groups: dict[str, int], with_events: set[str]) -> tupl
     return started, urls
 
 
-async def _stop_all(replicas: list[Any], runner: Any) -> None:
+async def _stop_all(replicas: list[Any], runners: list[Any]) -> None:
     for rep in replicas:
-        await rep.stop()
-    await runner.cleanup()
+        with contextlib.suppress(Exception):  # a test may have stopped it already
+            await rep.stop()
+    for runner in runners:
+        await runner.cleanup()
 
 
-async def _make_gap_publisher() -> GapPublisher:
-    return GapPublisher()  # its socket belongs to the loop thread
+async def _make_publisher(**kwargs: Any) -> StubPublisher:
+    return StubPublisher(**kwargs)  # its socket belongs to the loop thread
 
 
 @pytest.fixture(scope="module")
@@ -459,20 +487,29 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("observe")
     prefix = f"kvroute-test-{uuid.uuid4().hex[:12]}"
     loop = LoopThread()
-    replicas, runner, routers, prom, load_future, load = [], None, [], None, None, None
+    replicas, runners, routers, prom, load_future, load = [], [], [], None, None, None
     try:
-        replicas, urls = loop.run(_start_replicas({"tiny": 3, "hot": 3, "tiny-rr": 6}, with_events={"tiny"}))
-        runner, broken_url = loop.run(failing_replica("broken"))
-        urls["broken"] = [broken_url]
-        gaps = loop.run(_make_gap_publisher())
-        # Router A learns the `tiny` replicas and their KV-event endpoints from Redis, as a
-        # launcher registers them; the `broken` replica's events come from the lossy publisher.
+        replicas, urls = loop.run(_start_replicas({"tiny": 3, "hot": 3, "tiny-rr": 6, "quiet": 1, "solo": 1},
+                                                  with_events={"tiny", "quiet"}))
+        emulated = {rep.model: rep for rep in replicas if rep.model in ("quiet", "solo")}
+        for model in ("broken", "lagging"):
+            runner, url = loop.run(failing_replica(model))
+            runners.append(runner)
+            urls[model] = [url]
+        gaps = loop.run(_make_publisher(skip_every=5))
+        late = loop.run(_make_publisher(late_s=30.0))
+        # Router A learns the `tiny` and `quiet` replicas and their KV-event endpoints from Redis,
+        # as a launcher registers them; the events of `broken` come from the lossy publisher, those
+        # of `lagging` (a healthy replica no request is sent to) from the late one.
         from router.registry import ReplicaRecord
 
-        records = [ReplicaRecord(url=rep.url, model="tiny", events_endpoint=rep.events_endpoint,
+        records = [ReplicaRecord(url=rep.url, model=rep.model, events_endpoint=rep.events_endpoint,
                                  replay_endpoint=rep.replay_endpoint, block_size=rep.block_size, engine="emulated")
-                   for rep in replicas if rep.model == "tiny"]
-        records.append(ReplicaRecord(url=broken_url, model="broken", events_endpoint=gaps.endpoint, engine="emulated"))
+                   for rep in replicas if rep.model in ("tiny", "quiet")]
+        records.append(ReplicaRecord(url=urls["broken"][0], model="broken", events_endpoint=gaps.endpoint,
+                                     engine="emulated"))
+        records.append(ReplicaRecord(url=urls["lagging"][0], model="lagging", events_endpoint=late.endpoint,
+                                     engine="emulated"))
         loop.run(register_replicas(prefix, records))
         common = ["--tokenizer", str(TINY_TOKENIZER), "--fleet.health-interval-s", "1", "--fleet.metrics-interval-s", "1",
                   "--log-level", "warning"]
@@ -486,20 +523,25 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
                                        "--index-timeout-s", "0.05", "--replicas", ",".join(urls["tiny-rr"])],
                                  workdir / "router-b.log")
         routers.append(router_b)
+        # router C fronts `solo` alone: the replica dies in one test, the router in another
+        router_c = RouterProcess("C", [*common, "--policy", "round_robin", "--replicas", urls["solo"][0]],
+                                 workdir / "router-c.log")
+        routers.append(router_c)
         for r in routers:
             r.wait_ready()
         rule_file = workdir / "alerts.yml"
         rule_file.write_text(yaml.safe_dump(shortened_rules(ALERTS.read_text()), sort_keys=False))
         engines = [u for model in ("tiny", "hot", "tiny-rr") for u in urls[model]]
-        prom = Prometheus(workdir, prometheus_config([router_a.url, router_b.url], engines, rule_file))
-        print(f"\nprometheus: {' '.join(prom.command)}\nrouter A: {router_a.url}  router B: {router_b.url}")
+        prom = Prometheus(workdir, prometheus_config([r.url for r in routers], engines, rule_file))
+        print(f"\nprometheus: {' '.join(prom.command)}\n"
+              f"router A: {router_a.url}  router B: {router_b.url}  router C: {router_c.url}")
         load = Load(router_a.url, router_b.url)
-        load_future = asyncio.run_coroutine_threadsafe(load.run(gaps.run), loop.loop)
+        load_future = asyncio.run_coroutine_threadsafe(load.run(gaps.run, late.run), loop.loop)
         started = time.time()
         time.sleep(15)  # rate windows (10 s) filled with load
         if load_future.done():
             load_future.result()  # raises what ended the load early
-        yield Fleet(prom, router_a, router_b, load, urls, started, gaps, prefix)
+        yield Fleet(prom, router_a, router_b, load, urls, started, gaps, prefix, late, router_c, emulated, loop)
     finally:
         if load is not None:
             loop.loop.call_soon_threadsafe(load.stop.set)
@@ -509,8 +551,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
             prom.stop()
         for r in routers:
             r.stop()
-        if runner is not None:
-            loop.run(_stop_all(replicas, runner))
+        loop.run(_stop_all(replicas, runners))
         loop.close()
         delete_keys(prefix)
 
@@ -534,7 +575,7 @@ def substitute(expr: str, values: dict[str, str] = VARIABLES) -> str:
     """Grafana's variables replaced by concrete values (longest names first: $__range_s vs $__range)."""
     for name in sorted(values, key=len, reverse=True):
         expr = expr.replace(name, values[name])
-    assert "$" not in expr, f"unreplaced variable in {expr!r}"
+    assert not re.search(r"\$(?!\d)", expr), f"unreplaced variable in {expr!r}"  # $1: label_replace's
     return expr
 
 
@@ -621,6 +662,10 @@ def test_dashboard_queries_filter_by_model(fleet: Fleet):
 
 
 GAP_ALERT = "KvrouteKvEventGaps"
+STREAM_DOWN_ALERT = "KvrouteKvEventStreamDown"
+LAG_ALERT = "KvrouteKvEventLagHigh"
+KV_EVENT_ALERTS = {GAP_ALERT, STREAM_DOWN_ALERT, LAG_ALERT}
+ROUTER_DOWN_ALERT = "KvrouteRouterTargetDown"  # compares `up`, which Prometheus records itself
 Matcher = Callable[[dict[str, str]], bool]
 
 
@@ -668,7 +713,7 @@ def test_alert_rules_are_the_expected_ones():
 
 
 def test_each_alert_inner_expression_returns_data(fleet: Fleet):
-    check_inner_expressions(fleet, set(EXPECTED_ALERTS) - {GAP_ALERT})
+    check_inner_expressions(fleet, set(EXPECTED_ALERTS) - KV_EVENT_ALERTS - {ROUTER_DOWN_ALERT})
 
 
 def test_each_alert_fires_by_its_condition(fleet: Fleet):
@@ -678,6 +723,7 @@ def test_each_alert_fires_by_its_condition(fleet: Fleet):
         "KvrouteReplicaShareHigh": lambda lab: lab.get("model") == "hot",  # a hot prefix stays on its holder
         "KvrouteRedisErrors": lambda lab: lab.get("instance") == b,  # router B's Redis does not exist
         "KvrouteRouter5xx": lambda lab: lab.get("model") == "broken",  # its only replica answers 500
+        "KvrouteBreakerOpen": lambda lab: lab.get("replica") == fleet.replicas["broken"][0],  # ... every time
     }
     # where the condition is absent the alert must not fire: a reachable Redis, models without errors
     unexpected: dict[str, Matcher] = {
@@ -686,8 +732,21 @@ def test_each_alert_fires_by_its_condition(fleet: Fleet):
         "KvrouteDeliveredReuseLow": lambda lab: lab.get("model") in ("tiny", "hot"),  # cost_model follows the cache
         "KvrouteReplicaShareHigh": lambda lab: lab.get("model") == "tiny-rr",  # round-robin spreads evenly
         "KvrouteIndexRebuilt": lambda lab: True,  # nothing emptied Redis (yet: see the test below)
+        "KvrouteBreakerOpen": lambda lab: lab.get("replica") in healthy_replicas(fleet),
+        "KvrouteNoHealthyReplica": lambda lab: True,  # every model has a healthy replica (until a test below)
+        ROUTER_DOWN_ALERT: lambda lab: True,  # every router answers (until a test below)
     }
     wait_for_alerts(fleet, expected, unexpected)
+    # a Redis outage is a warning (requests still succeed), a model without replicas critical
+    severities = {r["alert"]: r["labels"]["severity"] for g in yaml.safe_load(ALERTS.read_text())["groups"]
+                  for r in g["rules"] if "alert" in r}
+    assert severities["KvrouteRedisErrors"] == "warning" and severities["KvrouteNoHealthyReplica"] == "critical"
+    assert fleet.summary["alerts"]["KvrouteRedisErrors"]["severity"] == "warning"
+
+
+def healthy_replicas(fleet: Fleet) -> set[str]:
+    """The replicas nothing in this module makes fail."""
+    return {url for model in ("tiny", "hot", "tiny-rr") for url in fleet.replicas[model]}
 
 
 def test_kv_event_gap_alert_fires_for_the_lossy_publisher(fleet: Fleet):
@@ -781,3 +840,141 @@ def test_cache_dashboard_renders_from_prometheus(fleet: Fleet, tmp_path: Path):
     drawn = render_cache_dashboard(fleet.prometheus, fleet.started_at + 5, time.time(), out)
     assert all(n > 0 for n in drawn.values()), drawn
     assert out.stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboards: variables, descriptions, units, and every panel honouring the selection
+
+UNITS = {"s", "ms", "percentunit", "reqps", "ops", "bytes", "short"}
+
+
+def test_every_panel_has_a_description_a_unit_and_the_selection_variables():
+    for path in DASHBOARDS:
+        model = json.loads(path.read_text())
+        variables = {v["name"]: v for v in model["templating"]["list"]}
+        assert {"namespace", "job", "replica"} <= set(variables), path.name
+        for v in variables.values():
+            if v["type"] == "query":
+                assert v["definition"].startswith("label_values(") and v["includeAll"] and v["allValue"] == ".*"
+        for panel in model["panels"]:
+            where = f"{path.name} / {panel['title']}"
+            assert len(panel["description"]) > 20, where
+            assert panel["fieldConfig"]["defaults"]["unit"] in UNITS, where
+            for target in panel["targets"]:
+                assert all(name in target["expr"] for name in SELECTIONS), where
+
+
+def variable_values(fleet: Fleet, definition: str) -> list[str]:
+    """What Grafana lists for a ``label_values(selector, label)`` variable (All selected above)."""
+    selector, label = re.fullmatch(r"label_values\((.+), (\w+)\)", definition).groups()
+    return fleet.prometheus.api(f"label/{label}/values", **{"match[]": substitute(selector)})
+
+
+def test_variables_list_the_fleet(fleet: Fleet):
+    board = json.loads((REPO / "dashboards" / "kvroute-replicas.json").read_text())
+    definitions = {v["name"]: v["definition"] for v in board["templating"]["list"] if v["type"] == "query"}
+    assert variable_values(fleet, definitions["job"]) == ["kvroute"]
+    assert variable_values(fleet, definitions["namespace"]) == []  # no namespace here: All (.*) matches
+    assert set(fleet.replicas["tiny"] + fleet.replicas["tiny-rr"]) <= set(variable_values(fleet, definitions["replica"]))
+    assert {"tiny", "hot", "tiny-rr"} <= set(variable_values(fleet, definitions["model"]))
+
+
+def test_every_dashboard_query_honours_namespace_job_and_replica(fleet: Fleet):
+    """With any of the three set to a value nothing has, every query comes back empty: no panel
+    ignores the selection."""
+    ignored = []
+    for name in SELECTIONS:
+        values = dict(VARIABLES, **{name: "no-such-value"})
+        for dash, panel, expr in dashboard_queries():
+            if numeric(fleet.prometheus.query(substitute(expr, values))):
+                ignored.append(f"{name}: {dash} / {panel}")
+    assert not ignored, "\n".join(ignored)
+
+
+def test_one_replica_selected_shows_that_replica(fleet: Fleet):
+    """$replica set to one replica (of router B): per-replica panels show it alone, engine panels
+    its instance alone, and router-wide panels by instance router B alone."""
+    replica = fleet.replicas["tiny-rr"][0]
+    values = dict(VARIABLES, **{"$replica": replica})  # its dots match themselves too
+    engine = urllib.parse.urlsplit(replica).netloc
+    checked = []
+    for path in DASHBOARDS:
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                legend, expr = target["legendFormat"], target["expr"]
+                if "{{replica}}" in legend:
+                    label, want = "replica", replica
+                elif "{{instance}}" in legend:
+                    label, want = "instance", engine if "vllm:" in expr else fleet.router_b.instance
+                else:
+                    continue
+                got = {s["metric"].get(label) for s in fleet.prometheus.query(substitute(expr, values))}
+                assert got <= {want}, (panel["title"], got)
+                checked += [panel["title"]] if got else []
+    assert len(checked) >= 15, checked
+
+
+def test_runbook_has_a_section_per_alert():
+    """Each alert's runbook_url names a section of docs/runbook.md (GitHub's anchor: the
+    heading in lower case) that says what it means, how to check and what to do."""
+    sections = {}
+    for block in re.split(r"^## ", RUNBOOK.read_text(), flags=re.M)[1:]:
+        heading, _, body = block.partition("\n")
+        sections[heading.strip().lower()] = body
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "alert" not in rule:
+                continue
+            assert rule["labels"]["severity"] in ("warning", "critical") and "for" in rule, rule["alert"]
+            path, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+            assert path == "docs/runbook.md" and anchor == rule["alert"].lower(), rule["alert"]
+            body = sections[anchor]
+            assert all(part in body for part in ("**Means**", "**Check**", "**Act**")), rule["alert"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Alerts made to fire by breaking one part of the fleet: these tests run last (in file order)
+
+
+def test_kv_event_lag_alert_fires_for_the_late_publisher(fleet: Fleet):
+    require_kv_event_subscriber(fleet)
+    check_inner_expressions(fleet, {LAG_ALERT})
+    late = fleet.replicas["lagging"][0]
+    wait_for_alerts(fleet, {LAG_ALERT: lambda lab: lab.get("replica") == late and lab.get("instance") ==
+                            fleet.router_a.instance}, {})
+    p99 = {s["metric"]["replica"]: float(s["value"][1])
+           for s in fleet.prometheus.query("kvroute:kv_event_lag:p99_rate5m") if s["metric"]["replica"] != late}
+    assert p99 and all(v < 2.5 for v in p99.values() if not math.isnan(v)), p99  # the others keep up
+
+
+def test_kv_event_stream_down_alert_fires_when_a_publisher_stops(fleet: Fleet):
+    """`quiet` keeps serving requests after its publisher stops: the router applies nothing."""
+    require_kv_event_subscriber(fleet)
+    check_inner_expressions(fleet, {STREAM_DOWN_ALERT})
+    quiet = fleet.emulated["quiet"]
+    assert fleet.prometheus.query(f'kvroute:kv_events_applied:rate10m{{replica="{quiet.url}"}} > 0')
+
+    async def stop_publisher() -> None:
+        publisher, quiet.driver.wire.publisher = quiet.publisher, None  # the engine's events go nowhere
+        await publisher.close()
+
+    fleet.loop.run(stop_publisher())
+    served = fleet.load.counts.get("quiet", 0)
+    wait_for_alerts(fleet, {STREAM_DOWN_ALERT: lambda lab: lab.get("replica") == quiet.url},
+                    {STREAM_DOWN_ALERT: lambda lab: lab.get("replica") in fleet.replicas["tiny"]})
+    assert fleet.load.counts.get("quiet", 0) > served  # still served meanwhile
+
+
+def test_no_healthy_replica_alert_fires_when_the_only_replica_dies(fleet: Fleet):
+    solo = fleet.emulated["solo"]
+    fleet.loop.run(solo.stop())
+    wait_for_alerts(fleet, {"KvrouteNoHealthyReplica": lambda lab: lab.get("model") == "solo"},
+                    {"KvrouteNoHealthyReplica": lambda lab: lab.get("model") != "solo"})
+    assert fleet.summary["alerts"]["KvrouteNoHealthyReplica"]["severity"] == "critical"
+
+
+def test_router_target_down_alert_fires_when_a_router_stops(fleet: Fleet):
+    fleet.router_c.stop()
+    c = fleet.router_c.instance
+    wait_for_alerts(fleet, {ROUTER_DOWN_ALERT: lambda lab: lab.get("instance") == c},
+                    {ROUTER_DOWN_ALERT: lambda lab: lab.get("instance") != c})
