@@ -1,0 +1,166 @@
+"""The alerting rules of deploy/prometheus/alerts.yml as shipped (production windows and `for`),
+through `promtool test rules`: synthetic series over simulated minutes, each alert firing when its
+condition lasts and staying silent when it does not.
+
+tests/test_observe.py fires every alert live, against a real Prometheus scraping real routers,
+but with windows shortened to seconds and `for: 0s`; here the real durations are checked: a
+breaker that flaps between open and half-open still fires, one router's view is not enough for
+"no healthy replica", a stream that stopped is told from one that never served.  Annotations are
+left out of the copy promtool reads (docs/runbook.md's test checks them): labels are compared.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
+
+R1, R2, R3 = "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"
+ROUTER = {"job": "kvroute", "instance": "10.1.0.1:8000"}
+OTHER_ROUTER = {"job": "kvroute", "instance": "10.1.0.2:8000"}
+
+
+def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{name}{{{inner}}}", "values": values}
+
+
+def alert(name: str, at: str, *expected: dict[str, str]) -> dict[str, Any]:
+    return {"eval_time": at, "alertname": name, "exp_alerts": [{"exp_labels": labels} for labels in expected]}
+
+
+def lag_histogram(router: dict[str, str], replica: str, late: bool) -> list[dict[str, str]]:
+    """10 batches per 15 s, all under 5 ms or all above 10 s."""
+    out = []
+    for le in ("0.005", "2.5", "10.0", "+Inf"):
+        grows = (le == "+Inf") if late else True
+        out.append(series("kvroute_kv_event_lag_seconds_bucket", {**router, "replica": replica, "le": le},
+                          "0+10x100" if grows else "0x100"))
+    return out
+
+
+CASES: dict[str, dict[str, Any]] = {
+    # open (2) for a cooldown, half-open (1) for a failed trial, open again: the instant value flaps
+    "breaker": {
+        "input_series": [
+            series("kvroute_replica_breaker_state", {**ROUTER, "replica": R1}, "2 2 1 " * 30),
+            series("kvroute_replica_breaker_state", {**ROUTER, "replica": R2}, "2 2 1 " + "0 " * 87),
+            series("kvroute_replica_breaker_state", {**ROUTER, "replica": R3}, "0x90"),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteBreakerOpen", "4m"),  # not for 5 minutes yet
+            alert("KvrouteBreakerOpen", "12m", {"severity": "warning", "job": "kvroute", "replica": R1}),
+        ],
+    },
+    # model a: R1 and R2, both down on router 1; model b: R3, up. On router 2, R2 is up.
+    "no_healthy_replica": {
+        "input_series": [
+            *(series("kvroute_requests_total", {**ROUTER, "model": m, "replica": r, "status": "200"}, "0x20")
+              for m, r in (("a", R1), ("a", R2), ("b", R3))),
+            series("kvroute_replica_healthy", {**ROUTER, "replica": R1}, "0x20"),
+            series("kvroute_replica_healthy", {**ROUTER, "replica": R2}, "0x20"),
+            series("kvroute_replica_healthy", {**ROUTER, "replica": R3}, "1x20"),
+            series("kvroute_requests_total", {**OTHER_ROUTER, "model": "c", "replica": R2, "status": "200"}, "0x20"),
+            series("kvroute_requests_total", {**OTHER_ROUTER, "model": "c", "replica": R1, "status": "200"}, "0x20"),
+            series("kvroute_replica_healthy", {**OTHER_ROUTER, "replica": R1}, "0x20"),
+            series("kvroute_replica_healthy", {**OTHER_ROUTER, "replica": R2}, "0 0 0 1x17"),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteNoHealthyReplica", "45s"),  # for: 1m
+            alert("KvrouteNoHealthyReplica", "2m", {"severity": "critical", "job": "kvroute", "model": "a"}),
+        ],
+    },
+    "router_target_down": {
+        "input_series": [
+            series("up", {"job": "kvroute", "instance": "10.1.0.1:8000"}, "1 1 0x20"),
+            series("up", {"job": "kvroute", "instance": "10.1.0.2:8000"}, "1x22"),
+            series("up", {"job": "vllm", "instance": "10.0.0.1:8000"}, "0x22"),  # a replica: not this alert
+        ],
+        "alert_rule_test": [
+            alert("KvrouteRouterTargetDown", "1m"),
+            alert("KvrouteRouterTargetDown", "4m",
+                  {"severity": "warning", "job": "kvroute", "instance": "10.1.0.1:8000"}),
+        ],
+    },
+    # R1 serves and its events stop at 10m; R2 serves and publishes; R3 publishes nothing and serves nothing
+    "kv_event_stream_down": {
+        "input_series": [
+            series("kvroute_requests_total", {**ROUTER, "model": "a", "replica": r, "status": "200"}, "0+5x200")
+            for r in (R1, R2)
+        ] + [
+            series("kvroute_kv_events_applied_total", {**ROUTER, "replica": R1, "type": "BlockStored"},
+                   "0+20x40 800x160"),
+            series("kvroute_kv_events_applied_total", {**ROUTER, "replica": R2, "type": "BlockStored"}, "0+20x200"),
+            series("kvroute_kv_events_applied_total", {**ROUTER, "replica": R3, "type": "BlockStored"}, "0x200"),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteKvEventStreamDown", "18m"),  # 10 m of silence, not yet 5 m more
+            alert("KvrouteKvEventStreamDown", "27m", {"severity": "warning", **ROUTER, "replica": R1}),
+        ],
+    },
+    "kv_event_lag": {
+        "input_series": lag_histogram(ROUTER, R1, late=True) + lag_histogram(ROUTER, R2, late=False),
+        "alert_rule_test": [
+            alert("KvrouteKvEventLagHigh", "8m"),  # for: 10m
+            alert("KvrouteKvEventLagHigh", "16m", {"severity": "warning", **ROUTER, "replica": R1}),
+        ],
+    },
+    # every lookup fails for 10 minutes: a warning, not a page
+    "redis_errors": {
+        "input_series": [
+            series("kvroute_index_errors_total", {**ROUTER, "op": "lookup", "kind": "connection"}, "0+10x60"),
+            series("kvroute_index_latency_seconds_count", {**ROUTER, "op": "lookup"}, "100x60"),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteRedisErrors", "10m", {"severity": "warning", "instance": ROUTER["instance"], "op": "lookup"}),
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("`promtool` is required: run `make deps-observe` (apt-get install -y prometheus)", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rule_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rules = yaml.safe_load(ALERTS.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    path = tmp_path_factory.mktemp("rules") / "alerts.yml"
+    path.write_text(yaml.safe_dump(rules, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_alert_fires_when_its_condition_lasts(case: str, promtool: str, rule_file: Path, tmp_path: Path):
+    spec = {"rule_files": [str(rule_file)], "evaluation_interval": "15s",
+            "tests": [{"interval": "15s", **CASES[case]}]}
+    test_file = tmp_path / f"{case}_test.yml"
+    test_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(test_file)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_a_wrong_expectation_fails(promtool: str, rule_file: Path, tmp_path: Path):
+    """promtool really compares: the breaker case expecting the closed replica fails."""
+    case = {**CASES["breaker"], "alert_rule_test": [
+        alert("KvrouteBreakerOpen", "12m", {"severity": "warning", "job": "kvroute", "replica": R3})]}
+    test_file = tmp_path / "wrong_test.yml"
+    test_file.write_text(yaml.safe_dump({"rule_files": [str(rule_file)], "evaluation_interval": "15s",
+                                         "tests": [{"interval": "15s", **case}]}, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(test_file)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "FAILED" in out.stdout + out.stderr
