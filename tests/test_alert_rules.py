@@ -22,7 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 
-R1, R2, R3 = "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"
+R1, R2, R3, R4 = (f"http://10.0.0.{i}:8000" for i in range(1, 5))
 ROUTER = {"job": "kvroute", "instance": "10.1.0.1:8000"}
 OTHER_ROUTER = {"job": "kvroute", "instance": "10.1.0.2:8000"}
 
@@ -59,22 +59,23 @@ CASES: dict[str, dict[str, Any]] = {
             alert("KvrouteBreakerOpen", "12m", {"severity": "warning", "job": "kvroute", "replica": R1}),
         ],
     },
-    # model a: R1 and R2, both down on router 1; model b: R3, up. On router 2, R2 is up.
+    # model a (R1, R2): both down on router 1, R2 up again on router 2 after 45 s; model b (R3):
+    # down on router 1, the only router that knows it; model d (R4): up
     "no_healthy_replica": {
         "input_series": [
-            *(series("kvroute_requests_total", {**ROUTER, "model": m, "replica": r, "status": "200"}, "0x20")
-              for m, r in (("a", R1), ("a", R2), ("b", R3))),
+            *(series("kvroute_requests_total", {**router, "model": m, "replica": r, "status": "200"}, "0x20")
+              for router, m, r in ((ROUTER, "a", R1), (ROUTER, "a", R2), (ROUTER, "b", R3), (ROUTER, "d", R4),
+                                   (OTHER_ROUTER, "a", R1), (OTHER_ROUTER, "a", R2))),
             series("kvroute_replica_healthy", {**ROUTER, "replica": R1}, "0x20"),
             series("kvroute_replica_healthy", {**ROUTER, "replica": R2}, "0x20"),
-            series("kvroute_replica_healthy", {**ROUTER, "replica": R3}, "1x20"),
-            series("kvroute_requests_total", {**OTHER_ROUTER, "model": "c", "replica": R2, "status": "200"}, "0x20"),
-            series("kvroute_requests_total", {**OTHER_ROUTER, "model": "c", "replica": R1, "status": "200"}, "0x20"),
+            series("kvroute_replica_healthy", {**ROUTER, "replica": R3}, "0x20"),
+            series("kvroute_replica_healthy", {**ROUTER, "replica": R4}, "1x20"),
             series("kvroute_replica_healthy", {**OTHER_ROUTER, "replica": R1}, "0x20"),
             series("kvroute_replica_healthy", {**OTHER_ROUTER, "replica": R2}, "0 0 0 1x17"),
         ],
         "alert_rule_test": [
             alert("KvrouteNoHealthyReplica", "45s"),  # for: 1m
-            alert("KvrouteNoHealthyReplica", "2m", {"severity": "critical", "job": "kvroute", "model": "a"}),
+            alert("KvrouteNoHealthyReplica", "2m", {"severity": "critical", "job": "kvroute", "model": "b"}),
         ],
     },
     "router_target_down": {
