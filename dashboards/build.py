@@ -295,8 +295,8 @@ CACHE = dashboard(
               unit="short", description="Prompt tokens each engine found in its prefix cache, per second."
                                         + ENGINE_SIDE),
         Panel("Cache-hostile prompts by client",
-              [(f"topk(10, sum by (client) ({routed('increase(kvroute_cache_hostile_prompts_total{' + T + '}[$__range])')}))",
-                "{{client}}")],
+              [(f"topk(10, sum by (client) "
+                f"({routed(f'increase(kvroute_cache_hostile_prompts_total{{{T}}}[$__range])')}))", "{{client}}")],
               unit="short", kind="bargauge",
               description="Prompts whose first block is new while a long later stretch was seen before (a "
                           "timestamp or user id at the start of the system prompt defeats every prefix cache), "
@@ -324,11 +324,13 @@ REPLICAS = dashboard(
                 f'sum({rate("kvroute_requests_total", f"{TM},{ROUTED}")})',
                 "{{replica}}")],
               unit="percentunit", max=1, description="Each replica's share of the routed requests (all routers)."),
-        Panel("Router in-flight per replica", [(f"sum by (replica) (kvroute_replica_in_flight{{{TR}}})", "{{replica}}")],
+        Panel("Router in-flight per replica",
+              [(f"sum by (replica) (kvroute_replica_in_flight{{{TR}}})", "{{replica}}")],
               unit="short", description="Requests the routers have in flight at each replica."),
         Panel("Queued prefill tokens (router's view)",
               [(f"sum by (replica) (kvroute_replica_queued_prefill_tokens{{{TR}}})", "{{replica}}")],
-              unit="short", description="Uncached prompt tokens sent to the replica whose first token has not come back."),
+              unit="short",
+              description="Uncached prompt tokens sent to the replica whose first token has not come back."),
         Panel("Learned prefill rate", [(f"avg by (replica) (kvroute_replica_prefill_rate{{{TR}}})", "{{replica}}")],
               unit="short", description="Prompt tokens per second, learned from observed TTFTs (cost model)."),
         Panel("Engine: running requests",
@@ -372,7 +374,8 @@ INDEX = dashboard(
         Panel("Index calls / s", [(f"sum by (op) ({rrate('kvroute_index_latency_seconds_count')})", "{{op}}")],
               unit="ops", description="Answered index calls per second, by operation." + ROUTER_WIDE),
         Panel("Index errors / s by router",
-              [(f"sum by (instance, op, kind) ({rrate('kvroute_index_errors_total')})", "{{instance}} {{op}} {{kind}}")],
+              [(f"sum by (instance, op, kind) ({rrate('kvroute_index_errors_total')})",
+                "{{instance}} {{op}} {{kind}}")],
               unit="ops", description="Failed index calls by kind: timeout, connection, error; dropped (write queue "
                                       "full) and unavailable (skipped while Redis fails). Requests are routed without "
                                       "the index meanwhile." + ROUTER_WIDE),

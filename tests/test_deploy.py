@@ -388,7 +388,8 @@ def test_chart_alerts_link_the_runbook_and_watch_the_router_job():
     (rule,) = helm_template("metrics.prometheusRule.enabled=true", "alerts.routerJob=kvroute-routers",
                             show_only="templates/prometheusrule.yaml")
     assert rule["spec"]["groups"] == chart_rules("kvroute-routers", "docs/runbook.md")
-    out = run(tool("promtool"), "check", "rules", "/dev/stdin", input=yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    out = run(tool("promtool"), "check", "rules", "/dev/stdin",
+              input=yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     assert "SUCCESS" in out
 
 

@@ -875,7 +875,8 @@ def test_variables_list_the_fleet(fleet: Fleet):
     definitions = {v["name"]: v["definition"] for v in board["templating"]["list"] if v["type"] == "query"}
     assert variable_values(fleet, definitions["job"]) == ["kvroute"]
     assert variable_values(fleet, definitions["namespace"]) == []  # no namespace here: All (.*) matches
-    assert set(fleet.replicas["tiny"] + fleet.replicas["tiny-rr"]) <= set(variable_values(fleet, definitions["replica"]))
+    replicas = set(variable_values(fleet, definitions["replica"]))
+    assert set(fleet.replicas["tiny"] + fleet.replicas["tiny-rr"]) <= replicas
     assert {"tiny", "hot", "tiny-rr"} <= set(variable_values(fleet, definitions["model"]))
 
 
