@@ -141,7 +141,7 @@ class RouterApp:
         self.metrics = RouterMetrics(self.policy.name, self.policy.reasons, s.max_client_labels)
         # every index call goes through it: budgets, failure counts, writes behind the answer
         self.index_client = IndexClient(self.index, metrics=self.metrics.index, timeout_s=s.index_timeout_s)
-        self.fleet = Fleet(s.fleet, self.session, index=self.index_client)
+        self.fleet = Fleet(s.fleet, self.session, index=self.index_client, registry=self.metrics.registry)
         self.fleet.subscribe(self._on_fleet_event)
         self.metrics.bind_replicas(self._replica_gauges)
         # the engines' own prefix-cache counters, next to the router's delivered figure
@@ -165,8 +165,8 @@ class RouterApp:
             on_failure=self._on_upstream_failure,
             on_success=self.fleet.report_success,
         )
-        if not s.fleet.replicas and not s.fleet.discovery_redis and not s.fleet.dns_name:
-            log.warning("no replicas configured (--replicas, fleet.discovery_redis or fleet.dns_name)")
+        if not (s.fleet.replicas or s.fleet.discovery_redis or s.fleet.dns_name or s.fleet.k8s_selector):
+            log.warning("no replicas configured (--replicas, fleet.discovery_redis, fleet.dns_name or fleet.k8s_selector)")
         self._started = True
         self.kv_events: KVEventSubscriber | None = None
         if s.kv_events:

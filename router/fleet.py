@@ -1,7 +1,7 @@
 """The router's view of its replicas: where they come from, whether they are up, how loaded.
 
 Discovery merges the listings of its sources (``router.discovery``: a static list, Redis
-registrations, a DNS name), any of which may be combined.
+registrations, a DNS name, Kubernetes pods by label selector), any of which may be combined.
 
 Every health interval each replica's ``/health`` is probed (and at once after a request to it
 failed); ``unhealthy_after`` failures in a row take it out, a refused connection at once, and its
@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import aiohttp
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .aio import cancel_and_wait
@@ -33,6 +34,8 @@ from .index.client import IndexClient, as_client
 from .discovery import (
     DiscoverySource,
     DnsSource,
+    DiscoveryMetrics,
+    K8sSource,
     RedisSource,
     Source,
     StaticSource,
@@ -70,6 +73,23 @@ class FleetSettings(BaseModel):
     # answers with both families: counting it twice would double its share of traffic).
     dns_family: Literal["auto", "ipv4", "ipv6", "both"] = Field(
         "auto", description="address family of DNS replicas (auto: IPv4 when the name has any, else IPv6)"
+    )
+    k8s_selector: str | None = Field(
+        None,
+        description="label selector of the replica pods, e.g. 'app=vllm,model=x': each ready pod is a replica, "
+        "watched through the Kubernetes API ($KUBECONFIG when set, else the pod's service account in a cluster, "
+        "else ~/.kube/config; needs the extra 'k8s')",
+        json_schema_extra=hint("SELECTOR"),
+    )
+    k8s_namespace: str | None = Field(
+        None, description="namespace of those pods; unset: the service account's in a cluster, else the kubeconfig "
+        "context's", json_schema_extra=hint("NAMESPACE"),
+    )
+    k8s_port_name: str = Field(
+        "http", description="name of the pods' container port that serves the OpenAI API", json_schema_extra=hint("NAME")
+    )
+    k8s_port: int | None = Field(
+        None, gt=0, le=65535, description="port of a pod that has no port of that name", json_schema_extra=hint("PORT")
     )
     replica_api_key: str | None = Field(
         None, description="sent to replicas as Bearer (not a client key)", json_schema_extra=hint("KEY")
@@ -168,12 +188,14 @@ class Fleet:
         *,
         index: PrefixIndex | IndexClient,
         redis: aioredis.Redis | None = None,  # else created from settings.redis_url when needed
+        registry: CollectorRegistry | None = None,  # where discovery counts its errors (the router's)
     ):
         self.settings = settings
         self.session = session
         self.index = as_client(index)
         self._redis = redis  # Redis discovery's client, if the caller has one; else made from settings
         self._sources: list[DiscoverySource] = []
+        self._discovery_metrics = DiscoveryMetrics(registry)
         self._replicas: dict[str, Replica] = {}
         self._loops: list[asyncio.Task[None]] = []
         self._listeners: list[Callable[[FleetEvent, Replica], None]] = []
@@ -221,6 +243,13 @@ class Fleet:
                 raise ValueError("discovery_redis needs redis_url")
         if s.dns_name:
             sources.append(DnsSource(s.dns_name, scheme=s.dns_scheme, family=s.dns_family, timeout_s=s.discovery_timeout_s))
+        if s.k8s_selector:
+            sources.append(
+                K8sSource(
+                    s.k8s_selector, namespace=s.k8s_namespace, port_name=s.k8s_port_name, port=s.k8s_port,
+                    timeout_s=s.discovery_timeout_s, metrics=self._discovery_metrics,
+                )
+            )
         return sources
 
     def subscribe(self, callback: Callable[[FleetEvent, Replica], None]) -> None:

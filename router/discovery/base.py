@@ -7,7 +7,7 @@ from typing import Literal
 
 from ..registry import ReplicaRecord
 
-Source = Literal["static", "redis", "dns"]
+Source = Literal["static", "redis", "dns", "k8s"]
 # the replicas a source lists now, by base URL, with their registration where the source has one
 Listing = dict[str, ReplicaRecord | None]
 
