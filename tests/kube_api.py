@@ -19,6 +19,8 @@ import asyncio
 import contextlib
 import copy
 import json
+import ssl
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,20 @@ from tests.conftest import free_port
 
 POD_JSON = Path(__file__).resolve().parent / "assets" / "k8s" / "vllm-pod.json"
 NAMESPACE = "llm"
+
+
+def self_signed_tls(directory: Path) -> tuple[ssl.SSLContext, Path]:
+    """A server context for 127.0.0.1 and its certificate (which is its own CA), made by openssl."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "apiserver.crt", directory / "apiserver.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=kube-apiserver", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context, cert
 
 
 def make_pod(
@@ -101,8 +117,9 @@ class _Watcher:
 
 
 class KubeApiServer:
-    def __init__(self, token: str = "kvroute-test-token"):
+    def __init__(self, token: str = "kvroute-test-token", tls: ssl.SSLContext | None = None):
         self.token = token
+        self.tls = tls  # serve https (as the API server always does in a cluster)
         self.port = free_port()  # kept across stop/start: the kubeconfig names it
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.version = 1000  # the last resourceVersion given out
@@ -117,7 +134,7 @@ class KubeApiServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> KubeApiServer:
@@ -125,7 +142,7 @@ class KubeApiServer:
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._pods)
         self._runner = web.AppRunner(app, shutdown_timeout=1.0)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=self.tls).start()
         return self
 
     async def stop(self) -> None:
@@ -149,6 +166,14 @@ class KubeApiServer:
         }
         path.write_text(json.dumps(config))  # JSON is YAML
         return path
+
+    def write_service_account(self, directory: Path, ca_cert: Path, namespace: str = NAMESPACE) -> Path:
+        """What the kubelet mounts into a pod: token, ca.crt and namespace."""
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "token").write_text(self.token)
+        (directory / "ca.crt").write_bytes(ca_cert.read_bytes())
+        (directory / "namespace").write_text(namespace)
+        return directory
 
     # -- changes, as controllers and kubelets make them ------------------------------------
     def create(self, pod: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ import pytest
 from replica.emulated.server import EmulatedReplica, ReplicaConfig
 from router.discovery import K8sSource
 from router.discovery import k8s as k8s_module
-from tests.kube_api import KubeApiServer, go_bool, make_pod
+from tests.kube_api import KubeApiServer, go_bool, make_pod, self_signed_tls
 from tests.router_support import MODEL, openai_client, running_router, scrape, total
 from tests.test_fleet import until
 
@@ -246,6 +246,34 @@ async def test_wrong_credentials_or_no_config_are_counted_errors_not_crashes(
     assert elsewhere.namespace == "default"
     given = sources(namespace="llm")
     assert set(await given.list()) == {"http://10.244.3.41:8000"}
+
+
+async def test_in_a_cluster_the_service_account_reaches_the_api_server_over_verified_tls(
+    tmp_path, monkeypatch, sources
+):
+    tls, cert = self_signed_tls(tmp_path / "ca")
+    impostor_tls, _ = self_signed_tls(tmp_path / "impostor")  # a certificate the mounted CA did not sign
+    api, impostor = KubeApiServer(tls=tls), KubeApiServer(tls=impostor_tls)
+    for server in (api, impostor):
+        await server.start()
+        server.create(make_pod("vllm-a", "10.244.3.41", 8000, labels=LABELS))
+    try:
+        monkeypatch.delenv("KUBECONFIG", raising=False)
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setattr(k8s_module, "SERVICE_ACCOUNT_DIR", api.write_service_account(tmp_path / "sa", cert))
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(api.port))
+        source = sources()
+        assert set(await source.list()) == {"http://10.244.3.41:8000"}
+        assert source.namespace == "llm"  # the service account's
+
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(impostor.port))
+        refused = sources(timeout_s=0.3)
+        assert await refused.list() == {}
+        await until(lambda: counted(refused, "errors", error="connection") >= 1)
+        assert impostor.requests == []  # no token or request reached it
+    finally:
+        await api.stop()
+        await impostor.stop()
 
 
 # -- end to end -----------------------------------------------------------------------------

@@ -73,7 +73,11 @@ async def load_api_config(namespace: str | None) -> tuple[Any, str]:
     cfg = client.Configuration()
     path = os.environ.get("KUBECONFIG")
     if not path and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=cfg)  # re-reads the rotated token itself
+        config.load_incluster_config(  # https to $KUBERNETES_SERVICE_HOST; re-reads the rotated token itself
+            client_configuration=cfg,
+            token_filename=str(SERVICE_ACCOUNT_DIR / "token"),
+            cert_filename=str(SERVICE_ACCOUNT_DIR / "ca.crt"),
+        )
         ns_file = SERVICE_ACCOUNT_DIR / "namespace"
         return cfg, namespace or (ns_file.read_text().strip() if ns_file.is_file() else "default")
     # read here, not at import as kubernetes_asyncio's default does, so a later KUBECONFIG counts
