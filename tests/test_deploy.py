@@ -288,6 +288,40 @@ def test_chart_router_environment_is_valid_router_settings(monkeypatch):
         assert bool(settings.redis_url) == ("redis.enabled=false" not in values)
 
 
+def test_chart_kubernetes_discovery_renders_rbac_and_the_router_settings(monkeypatch):
+    from router.config import load_settings
+
+    plain = by_kind(helm_template())
+    assert not {"ServiceAccount", "Role", "RoleBinding"} & set(plain)  # only with a selector
+    (router,) = [d for d in plain["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router"]
+    assert "serviceAccountName" not in router["spec"]["template"]["spec"]
+
+    values = ("router.discovery.k8s.selector=app=vllm\\,model=qwen", "router.discovery.k8s.namespace=gpu",
+              "router.discovery.k8s.portName=openai", "router.discovery.k8s.port=8080")
+    assert "0 chart(s) failed" in run(tool("helm"), "lint", "--strict", str(CHART), *(a for v in values for a in ("--set", v)))
+    kinds = by_kind(helm_template(*values))
+    (router,) = [d for d in kinds["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router"]
+    pod = router["spec"]["template"]["spec"]
+    (account,), (role,), (binding,) = kinds["ServiceAccount"], kinds["Role"], kinds["RoleBinding"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    # read-only, on pods, where the pods are
+    assert role["metadata"]["namespace"] == "gpu"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert binding["metadata"]["namespace"] == "gpu"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "llm"}]
+
+    for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
+        monkeypatch.delenv(key)
+    for key, value in env_of(pod["containers"][0]).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(key, value)
+    fleet = load_settings([]).fleet
+    assert (fleet.k8s_selector, fleet.k8s_namespace, fleet.k8s_port_name, fleet.k8s_port) == (
+        "app=vllm,model=qwen", "gpu", "openai", 8080)
+    assert fleet.dns_name is None  # the selector replaces the headless service
+
+
 def test_chart_replicas_request_gpus_and_are_discovered_through_a_headless_service():
     from replica.cli import build_parser
 
