@@ -128,6 +128,7 @@ class KubeApiServer:
         self.bookmark_interval_s: float | None = None  # BOOKMARK events on watches that asked for them
         self.fail_status: int | None = None  # answer every request with this error status
         self.requests: list[tuple[str, dict[str, str]]] = []  # ("list" | "watch", query)
+        self.bookmarks: list[int] = []  # the version of each BOOKMARK sent, in order
         self._snapshots: dict[int, list[dict[str, Any]]] = {}  # paged lists, by their version
         self._watchers: set[_Watcher] = set()
         self._runner: web.AppRunner | None = None
@@ -294,6 +295,7 @@ class KubeApiServer:
                     if bookmarks and not w.stalled and loop.time() < deadline:
                         mark = {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.version)}}
                         await resp.write(json.dumps({"type": "BOOKMARK", "object": mark}).encode() + b"\n")
+                        self.bookmarks.append(self.version)
                     continue
                 if what == "end":
                     if payload:

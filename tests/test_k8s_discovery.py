@@ -60,14 +60,14 @@ async def until_listed(source: K8sSource, expected: set[str], timeout: float = 1
 
 
 def counted(source: K8sSource, name: str, **labels: str) -> float:
-    """A counter of the source's metrics (by its family name without _total)."""
-    want = {"source": "k8s", **labels}
-    value = 0.0
-    for family in getattr(source.metrics, name).collect():
-        for s in family.samples:
-            if s.name.endswith("_total") and s.labels == want:
-                value += s.value
-    return value
+    """A counter of the source's metrics (by its attribute), summed over the series with ``labels``."""
+    want = {"source": "k8s", **labels}.items()
+    return sum(
+        s.value
+        for family in getattr(source.metrics, name).collect()
+        for s in family.samples
+        if s.name.endswith("_total") and want <= s.labels.items()
+    )
 
 
 def lists(api: KubeApiServer) -> int:
@@ -174,9 +174,11 @@ async def test_a_version_compacted_between_watches_lists_again_unless_a_bookmark
         await until(lambda: kube_api._watchers != set())
         for i in range(5):
             kube_api.create(make_pod(f"other-{i}", f"10.244.9.{i}", 8000, labels={"app": "web"}))
-        marks = counted(source, "events", type="BOOKMARK")
-        if kube_api.bookmark_interval_s:
-            await until(lambda: counted(source, "events", type="BOOKMARK") > marks)
+        if kube_api.bookmark_interval_s:  # wait until the router has read a bookmark of the new version
+            churned = kube_api.version
+            await until(lambda: any(v >= churned for v in kube_api.bookmarks))
+            needed = next(i for i, v in enumerate(kube_api.bookmarks) if v >= churned) + 1
+            await until(lambda: counted(source, "events", type="BOOKMARK") >= needed)
         kube_api.compact()
         await kube_api.end_watches()  # a plain end, as at timeoutSeconds
 

@@ -115,6 +115,8 @@ class K8sSource(DiscoverySource):
         self._watch_timeout_s = watch_timeout_s
         self._backoff_s = backoff_s
         self.metrics = metrics if metrics is not None else DiscoveryMetrics()
+        for error in ("config", "connection", "api", "protocol"):  # at zero from the first scrape
+            self.metrics.errors.labels("k8s", error)
         self._pods: dict[str, str] = {}  # pod name -> replica URL, ready pods only
         self._no_port_warned: set[str] = set()
         self._synced = asyncio.Event()  # the first list has landed
