@@ -196,6 +196,18 @@ async def test_a_version_compacted_between_watches_lists_again_unless_a_bookmark
     assert set(await source.list()) == {"http://10.244.3.41:8000"}
 
 
+async def test_an_api_server_expiring_every_watch_is_listed_at_a_bounded_rate(kube_api, kubeconfig, sources):
+    kube_api.create(make_pod("vllm-a", "10.244.3.41", 8000, labels=LABELS))
+    source = sources(backoff_s=(0.2, 1.0))
+    await until_listed(source, {"http://10.244.3.41:8000"})
+    kube_api.compacted_at = 10**9  # every watch is answered 410 Gone
+    await kube_api.end_watches()
+    before = lists(kube_api)
+    await asyncio.sleep(1.0)
+    assert 1 <= lists(kube_api) - before <= 6  # lists 0.2 s apart at least, not a busy loop
+    assert set(await source.list()) == {"http://10.244.3.41:8000"}
+
+
 # -- failures -------------------------------------------------------------------------------
 async def test_an_api_outage_keeps_the_pods_and_recovers_with_backoff(kube_api, kubeconfig, sources):
     kube_api.create(make_pod("vllm-a", "10.244.3.41", 8000, labels=LABELS))

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,9 +148,13 @@ class K8sSource(DiscoverySource):
     async def _run(self) -> None:
         delay = self._backoff_s[0]
         reason = "start"
+        listed_at = -float("inf")
         while True:
             try:
                 core = await self._core_api()
+                # lists at least backoff_s[0] apart, should an API server answer every watch with 410
+                await asyncio.sleep(max(0.0, listed_at + self._backoff_s[0] - time.monotonic()))
+                listed_at = time.monotonic()
                 version = await self._relist(core, reason)
                 delay = self._backoff_s[0]
                 while True:  # a watch ends at its timeout: resume from where it got to
