@@ -127,12 +127,11 @@ class K8sSource(DiscoverySource):
     async def list(self) -> Listing:
         if self._task is None:
             self._task = asyncio.create_task(self._run())
-        if not self._synced.is_set():
             try:  # the first call waits (boundedly) for the first list, so a router starts with its pods
                 async with asyncio.timeout(self._timeout_s):
                     await self._synced.wait()
             except TimeoutError:
-                log.warning("Kubernetes discovery (%s) has no listing yet", self.selector)
+                log.warning("Kubernetes discovery (%s) has no listing yet: pods join when it has", self.selector)
         return dict.fromkeys(self._pods.values())
 
     async def close(self) -> None:
