@@ -5,7 +5,8 @@ the tests speak to this: the same HTTP protocol (``GET /api/v1/namespaces/NS/pod
 labelSelector, limit/continue pages, ``watch=true`` from a resourceVersion as JSON lines of ADDED,
 MODIFIED, DELETED, BOOKMARK and ERROR events, ``timeoutSeconds``, 410 Gone for a compacted
 version, Status objects for errors, bearer-token auth), over objects shaped as the API server
-returns them (tests/assets/k8s/vllm-pod.json, a vLLM pod as ``kubectl get pod -o json`` shows it).
+returns them (tests/assets/k8s/vllm-pod.json: a vLLM pod in the shape ``kubectl get pod -o json``
+prints, written for these tests rather than captured from a cluster).
 
 Like etcd, every change takes the next resourceVersion and is kept in a history a watch replays
 from; ``compact()`` drops that history, as the API server's compaction does.  A test drives the
@@ -57,7 +58,7 @@ def make_pod(
     port_name: str = "http",
     namespace: str = NAMESPACE,
 ) -> dict[str, Any]:
-    """The recorded vLLM pod renamed, at ``ip``, serving on container port ``port_name``=``port``."""
+    """The vLLM pod of POD_JSON renamed, at ``ip``, serving on container port ``port_name``=``port``."""
     pod = json.loads(POD_JSON.read_text())
     meta = pod["metadata"]
     meta.update(name=name, namespace=namespace, uid=f"uid-{name}")
