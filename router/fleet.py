@@ -32,9 +32,9 @@ from .breaker import BreakerState, CircuitBreaker
 from .index.base import PrefixIndex, ReplicaSpec
 from .index.client import IndexClient, as_client
 from .discovery import (
+    DiscoveryMetrics,
     DiscoverySource,
     DnsSource,
-    DiscoveryMetrics,
     K8sSource,
     RedisSource,
     Source,
