@@ -100,7 +100,9 @@ class FleetSettings(BaseModel):
     metrics_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of a replica's /metrics (load)")
     metrics_timeout_s: float = Field(1.0, gt=0, description="a /metrics scrape slower than this failed")
     models_refresh_s: float = Field(30.0, gt=0, description="seconds between reads of healthy replicas' /v1/models")
-    discovery_timeout_s: float = Field(2.0, gt=0, description="budget of a Redis listing or DNS lookup")
+    discovery_timeout_s: float = Field(
+        2.0, gt=0, description="budget of a Redis listing, a DNS lookup, a Kubernetes API connect (and the first pod list)"
+    )
     breaker_failures: int = Field(3, ge=1, description="consecutive request failures that open a replica's circuit")
     breaker_cooldown_s: float = Field(5.0, gt=0, description="an open circuit goes half-open (one trial) after this")
     block_size: int | None = Field(
