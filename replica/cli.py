@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from router.logs import configure_logging
+
 
 def build_parser() -> argparse.ArgumentParser:
     from replica.emulated.profile import PROFILES
@@ -59,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=16,
                    help="output length of chat requests that set no max_tokens (they finish with 'stop')")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="log lines: text, or json (one object per line: ts, level, logger, msg and the fields)")
     _add_registration_arguments(p.add_argument_group("registration in Redis (both engines)"))
     _add_vllm_arguments(p.add_argument_group("--engine vllm"))
     return p
@@ -266,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.engine == "vllm":
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(args.log_level, args.log_format)
         return _main_vllm(args, parser)
     _check(args, parser)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     from replica.emulated.server import ReplicaConfig
 
     config = ReplicaConfig(

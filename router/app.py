@@ -35,6 +35,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from .access_log import AccessLog, trail_of
 from .body import BodyReader
 from .config import RouterSettings, load_settings
 from .cutoff import RequestCutoff
@@ -45,6 +46,7 @@ from .index.client import IndexClient
 from .index.memory import MemoryIndex
 from .kvevents import KVEventSubscriber
 from .load import LoadTracker
+from .logs import configure_logging
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import make_policy
 from .proxy import Outcome, Proxy, Timeouts, make_upstream_pool, make_upstream_session
@@ -183,10 +185,11 @@ class RouterApp:
                 await self.kv_events.start()
             await self.fleet.start()
             self._refresh_series()
-            app = web.Application(
-                middlewares=[request_id_middleware, self.cutoff.middleware, error_middleware],
-                client_max_size=s.max_body_bytes,
-            )
+            middlewares = [request_id_middleware, self.cutoff.middleware, error_middleware]
+            if s.access_log:  # outside the cutoff and error middlewares: it sees the status they answer
+                access = AccessLog(lambda request: request[REQUEST_ID], self.router.cached_tokens)
+                middlewares.insert(1, access.middleware)
+            app = web.Application(middlewares=middlewares, client_max_size=s.max_body_bytes)
             self.cutoff.attach(app)
             app.on_response_prepare.append(announce_close)
             self._add_routes(app)
@@ -388,11 +391,14 @@ class RouterApp:
             self.metrics.requests.labels("unknown", "none", str(exc.status)).inc()
             raise
         model_label = "unknown"
+        trail = trail_of(request)
         try:
             rid = request[REQUEST_ID]
             try:
                 parsed = parse_request(kind, raw)
                 model_label = self._model_label(parsed.request.model)
+                if trail is not None:
+                    trail.model = parsed.request.model[:128]  # as asked: a 404's name is worth seeing
                 decision = await self.router.route(
                     parsed, request_id=rid, session_header=request.headers.get("X-Session-ID"), api_key=api_key
                 )
@@ -401,6 +407,8 @@ class RouterApp:
                 raise
             body = parsed.forward_body(decision.additions)
             outcome = Outcome()
+            if trail is not None:
+                trail.decision, trail.outcome = decision, outcome
             try:
                 while (
                     opened := await self.proxy.open(
@@ -411,6 +419,8 @@ class RouterApp:
                     if rerouted is None:
                         return self.proxy.unanswered(outcome, rid)
                     decision = rerouted
+                    if trail is not None:
+                        trail.decision = decision
                 if opened.ttft_s is not None:
                     self.router.first_token(decision, opened.ttft_s)
                 return await self.proxy.respond(
@@ -440,10 +450,15 @@ class RouterApp:
         self._admit()
         model_label = "unknown"
         outcome = Outcome()
+        trail = trail_of(request)
+        if trail is not None:
+            trail.outcome = outcome
         try:
             body = decode_json_object(raw)
             model, replicas = self._passthrough_replicas(body.get("model"))
             model_label = model
+            if trail is not None:
+                trail.model = model
             order = self.fleet.claim_in_order([r.name for r in replicas], 1 + self.settings.retry_attempts)
             return await self.proxy.forward_plain(
                 request, order, request.path, raw, request_id=request[REQUEST_ID], outcome=outcome
@@ -564,9 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, ValueError, OSError) as exc:
         print(f"kvroute router: invalid settings: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    configure_logging(settings.log_level, settings.log_format)
     import uvloop
 
     try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -186,6 +186,13 @@ class RouterSettings(BaseSettings):
     )
     max_client_labels: int = Field(100, gt=0, description="distinct client labels in metrics; more -> 'other'")
     log_level: str = Field("info", description="logging level", json_schema_extra=_hint("{debug,info,warning,error}"))
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines: text, or json (one object per line: ts, level, logger, msg and the fields)"
+    )
+    access_log: bool = Field(
+        True, description="a log line per API request once answered (logger kvroute.access: request id, model, "
+        "replica, status, tokens, cached tokens, TTFT, duration)"
+    )
 
     @field_validator("replicas", mode="before")
     @classmethod

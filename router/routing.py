@@ -364,12 +364,12 @@ class Router:
         m.prompt_tokens.inc(decision.prompt.tokens)
         m.reuse_available.inc(self._observe_reuse(decision) * block_size)
         m.reuse_predicted.inc(decision.predicted_blocks * block_size)
-        cached = self._cached_tokens(outcome)
+        cached = self.cached_tokens(outcome)
         if cached is not None:
             m.reuse_delivered.inc(cached)
             m.reuse_measured_prompt.inc(decision.prompt.tokens)
 
-    def _cached_tokens(self, outcome: Outcome) -> int | None:
+    def cached_tokens(self, outcome: Outcome) -> int | None:
         """Cached prompt tokens the engine reported, or None if it does not report them.
 
         vLLM leaves ``prompt_tokens_details`` null when nothing was cached, and also when

@@ -1,0 +1,118 @@
+"""JSON logs and the access log of a real `kvroute router` process, read from its stderr."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import openai
+import pytest
+
+from tests.router_support import MODEL, REPO, TINY_TOKENIZER, emulated_replicas
+
+SYSTEM = "You are a meticulous assistant for the kvroute access log test. " * 12
+
+
+async def _start_router(replica_urls: list[str], *args: str) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0",
+        "--replicas", ",".join(replica_urls), "--tokenizer", TINY_TOKENIZER, *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=str(REPO),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    url = line.rsplit(" ", 1)[-1].strip()
+    if not url.startswith("http://"):
+        proc.kill()
+        raise AssertionError(f"router did not start: {line!r} {(await proc.stderr.read()).decode()[-2000:]}")
+    return proc, url
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> str:
+    """SIGTERM, then everything it wrote to stderr."""
+    proc.terminate()
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    return err.decode()
+
+
+async def _wait_ready(url: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):
+            async with s.get(url + "/ready") as r:
+                if r.status == 200:
+                    return
+            await asyncio.sleep(0.05)
+    raise AssertionError("router never ready")
+
+
+async def test_json_log_lines_and_access_log_with_cached_tokens_on_a_second_turn():
+    async with emulated_replicas(2) as reps:
+        proc, url = await _start_router([r.url for r in reps], "--log-format", "json", "--log-level", "info")
+        try:
+            await _wait_ready(url)
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First question?"}]
+            first = await client.chat.completions.create(
+                model=MODEL, messages=msgs, max_tokens=5, extra_headers={"X-Request-Id": "turn-1"}
+            )
+            msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Second question?"}]
+            # streamed, and the client does not ask for usage: the router does, and logs it
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=msgs, max_tokens=7, stream=True, extra_headers={"X-Request-Id": "turn-2"}
+            )
+            chunks = [c async for c in stream]
+            assert chunks and all(c.usage is None for c in chunks)
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model="nope", messages=msgs, extra_headers={"X-Request-Id": "bad"})
+            await client.close()
+        finally:
+            stderr = await _stop(proc)
+
+    lines = [json.loads(line) for line in stderr.splitlines() if line.strip()]  # every line is JSON
+    assert all({"ts", "level", "logger", "msg"} <= set(rec) for rec in lines)
+    assert any(rec["logger"] == "kvroute.router" and "listening" in rec["msg"] for rec in lines)
+    access = {rec["request_id"]: rec for rec in lines if rec["logger"] == "kvroute.access"}
+    assert set(access) == {"turn-1", "turn-2", "bad"}  # probes (/ready) are not logged
+
+    one, two, bad = access["turn-1"], access["turn-2"], access["bad"]
+    for rec in (one, two):
+        assert rec["method"] == "POST" and rec["path"] == "/v1/chat/completions" and rec["status"] == 200
+        assert rec["model"] == MODEL and rec["replica"] in {r.url for r in reps}
+        assert rec["client"] == "127.0.0.1" and rec["reason"] and rec["attempts"] == 1
+        assert rec["duration_ms"] > 0 and rec["prompt_tokens"] > 0
+    # nothing cached: vLLM leaves prompt_tokens_details null, which says nothing until a replica has
+    # reported details once (as the reuse metrics read it)
+    assert one["cached_tokens"] is None and one["completion_tokens"] == 5 and one["ttft_ms"] is None
+    # the second turn went where the first is cached, and the replica said so in its usage chunk
+    assert two["replica"] == one["replica"]
+    assert two["prompt_tokens"] > one["prompt_tokens"]
+    assert 0 < two["cached_tokens"] <= one["prompt_tokens"] and two["completion_tokens"] == 7
+    assert 0 < two["ttft_ms"] <= two["duration_ms"]
+    assert bad["status"] == 404 and bad["model"] == "nope" and bad["replica"] is None
+
+
+async def test_text_format_and_no_access_log():
+    async with emulated_replicas(1) as reps:
+        proc, url = await _start_router([reps[0].url], "--log-level", "info")
+        try:
+            await _wait_ready(url)
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+                await client.completions.create(model=MODEL, prompt="Once", max_tokens=2,
+                                                extra_headers={"X-Request-Id": "text-1"})
+        finally:
+            stderr = await _stop(proc)
+        line = next(ln for ln in stderr.splitlines() if "kvroute.access" in ln)
+        assert "POST /v1/completions 200" in line and "request_id=text-1" in line and "completion_tokens=2" in line
+
+        proc, url = await _start_router([reps[0].url], "--log-level", "info", "--no-access-log")
+        try:
+            await _wait_ready(url)
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+                await client.completions.create(model=MODEL, prompt="Once", max_tokens=2)
+        finally:
+            stderr = await _stop(proc)
+        assert "listening" in stderr and "kvroute.access" not in stderr
