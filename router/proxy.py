@@ -40,6 +40,7 @@ from aiohttp import web
 
 from .aio import set_nodelay
 from .errors import ApiError, sse_error_event
+from .replica_errors import error_payload, normalize_error_body
 from .upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("kvroute.router")
@@ -48,8 +49,10 @@ _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _DONE = b"[DONE]"
-# a usage object (not the "usage": null every OpenAI-style chunk carries): only then decode
-_HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+# a usage object (not the "usage": null every OpenAI-style chunk carries), or an error event in a
+# shape that may need rewriting (replica_errors.py): only then decode.  Text inside a JSON string
+# cannot match (its quotes are escaped).
+_LOOK = re.compile(rb'"usage"\s*:\s*\{|"error"\s*:|"object"\s*:\s*"error"|"detail"\s*:')
 # upstream failures that leave nothing to read; retryable while nothing was written to the client
 # (UpstreamError is an OSError; TimeoutError is asyncio.timeout's)
 _UPSTREAM_ERRORS = (OSError, TimeoutError)
@@ -141,31 +144,6 @@ def _nodelay(transport: asyncio.BaseTransport | None) -> None:
         pass
 
 
-def normalize_error_body(status: int, data: bytes) -> bytes:
-    """An upstream error body in OpenAI's shape (vLLM ≤0.8 sent the fields at the top level)."""
-    try:
-        body = _decode.decode(data)
-    except msgspec.DecodeError:
-        body = None
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return data
-        if "message" in body:
-            return _encode.encode(
-                {
-                    "error": {
-                        "message": str(body.get("message")),
-                        "type": body.get("type") or "upstream_error",
-                        "param": body.get("param"),
-                        "code": body.get("code"),
-                    }
-                }
-            )
-    text = data.decode("utf-8", "replace").strip()[:2000] or f"replica answered {status}"
-    return _encode.encode({"error": {"message": text, "type": "upstream_error", "param": None, "code": None}})
-
-
 class SseRelay:
     """Frames SSE events across chunk boundaries, reads usage, withholds the usage-only chunk."""
 
@@ -187,16 +165,19 @@ class SseRelay:
         complete, self._pending = data[:cut], data[cut:]
         if _DONE in complete:
             self.done = True
-        if _HAS_USAGE.search(complete) is None:
+        if _LOOK.search(complete) is None:
             return complete  # the common case: forwarded untouched, nothing decoded
         return b"".join(self._filter(ev) for ev in _split_events(complete))
 
     def _filter(self, event: bytes) -> bytes:
-        if _HAS_USAGE.search(event) is None:
+        if _LOOK.search(event) is None:
             return event
         payload = _event_json(event)
-        if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
+        if not isinstance(payload, dict):
             return event
+        if not isinstance(payload.get("usage"), dict):
+            rewritten = error_payload(payload, 500)  # a replica's in-stream error, in OpenAI's shape
+            return event if rewritten is None else b"data: " + _encode.encode(rewritten) + b"\n\n"
         self.usage = Usage.from_json(payload["usage"]) or self.usage
         if not self.strip_usage:
             return event
