@@ -2,6 +2,7 @@
 
 Endpoints
     POST /v1/completions, /v1/chat/completions   routed (cache-aware), streamed or not
+    POST /v1/responses                           routed as a chat (router/responses.py)
     POST /v1/embeddings, /tokenize, /detokenize  passed to a replica serving the body's model
     GET  /v1/models, /v1/models/{id}             the union of the fleet's models
     GET  /health                                 the process is alive (200; with health_requires_replica,
@@ -51,6 +52,7 @@ from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import make_policy
 from .proxy import Outcome, Proxy, Timeouts, make_upstream_pool, make_upstream_session
 from .requests import Kind, decode_json_object, parse_request
+from .responses import ResponseMemory, parse_responses
 from .reconcile import EngineCacheCounters
 from .reuse import ReuseTracker
 from .routing import Router
@@ -149,6 +151,7 @@ class RouterApp:
         # the engines' own prefix-cache counters, next to the router's delivered figure
         EngineCacheCounters(self.metrics.registry).attach(self.fleet)
         self.reuse = ReuseTracker(window_blocks=s.reuse_window_blocks)
+        self.responses = ResponseMemory(int(s.responses_memory_mb * 2**20))
         self.router = Router(
             s,
             fleet=self.fleet,
@@ -293,6 +296,7 @@ class RouterApp:
             self.load.remove(replica.name)
             self.metrics.forget_replica(replica.name)
             self.router.forget_replica(replica.name)
+            self.responses.forget_replica(replica.name)
 
     def _replica_status(self) -> list[ReplicaStatus]:
         """The fleet's view of each replica joined with this router's own load there."""
@@ -317,6 +321,7 @@ class RouterApp:
     def _add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
         for path in ("/v1/embeddings", "/tokenize", "/detokenize"):
             app.router.add_post(path, self._passthrough)
         app.router.add_get("/v1/models", self._models)
@@ -379,6 +384,9 @@ class RouterApp:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "responses")
+
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         """app -> routing (a decision) -> proxy (attempts until one is past its first byte) ->
         routing again (what happened): each step calls the next; none calls back."""
@@ -395,12 +403,16 @@ class RouterApp:
         try:
             rid = request[REQUEST_ID]
             try:
-                parsed = parse_request(kind, raw)
+                parsed = parse_responses(raw) if kind == "responses" else parse_request(kind, raw)
                 model_label = self._model_label(parsed.request.model)
                 if trail is not None:
                     trail.model = parsed.request.model[:128]  # as asked: a 404's name is worth seeing
+                session, pin = request.headers.get("X-Session-ID"), None
+                if kind == "responses":  # previous_response_id: its conversation, and the replica storing it
+                    conversation, pin = self.responses.prepare(parsed)  # type: ignore[arg-type]
+                    session = session or conversation
                 decision = await self.router.route(
-                    parsed, request_id=rid, session_header=request.headers.get("X-Session-ID"), api_key=api_key
+                    parsed, request_id=rid, session_header=session, api_key=api_key, pin=pin
                 )
             except (ApiError, web.HTTPException) as exc:
                 self.metrics.requests.labels(model_label, "none", str(exc.status)).inc()
@@ -423,6 +435,9 @@ class RouterApp:
                         trail.decision = decision
                 if opened.ttft_s is not None:
                     self.router.first_token(decision, opened.ttft_s)
+                if kind == "responses":  # its id is remembered before the client can send the next turn
+                    replica, key = opened.replica, session or parsed.request.user
+                    outcome.on_answer = lambda answer: self.responses.remember(parsed, replica, answer, key)  # type: ignore[arg-type]
                 return await self.proxy.respond(
                     request, opened, request_id=rid, strip_usage=not parsed.client_wants_usage, outcome=outcome
                 )

@@ -121,6 +121,10 @@ class RouterSettings(BaseSettings):
     )
     predicted_ttl_s: float = Field(30.0, gt=0, description="life of a prediction on replicas with KV events")
     kv_events: bool = Field(True, description="follow the KV events of replicas registered with an events endpoint")
+    responses_memory_mb: float = Field(
+        64.0, gt=0, description="memory of /v1/responses conversations (response id -> replica, session, the "
+        "messages the next turn renders), MB of text, least recently used forgotten first"
+    )
 
     # -- limits ----------------------------------------------------------------------------
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="largest request body (413 above)")

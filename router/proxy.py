@@ -49,14 +49,20 @@ _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _DONE = b"[DONE]"
-# a usage object (not the "usage": null every OpenAI-style chunk carries), or an error event in a
-# shape that may need rewriting (replica_errors.py): only then decode.  Text inside a JSON string
+# a usage object (not the "usage": null every OpenAI-style chunk carries), an error event in a
+# shape that may need rewriting (replica_errors.py), or a Responses stream's last event: only
+# then decode.  Text inside a JSON string
 # cannot match (its quotes are escaped).
-_LOOK = re.compile(rb'"usage"\s*:\s*\{|"error"\s*:|"object"\s*:\s*"error"|"detail"\s*:')
+_LOOK = re.compile(
+    rb'"usage"\s*:\s*\{|"error"\s*:|"object"\s*:\s*"error"|"detail"\s*:'
+    rb'|"type"\s*:\s*"response\.(?:completed|incomplete|failed)"'
+)
 # upstream failures that leave nothing to read; retryable while nothing was written to the client
 # (UpstreamError is an OSError; TimeoutError is asyncio.timeout's)
 _UPSTREAM_ERRORS = (OSError, TimeoutError)
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+# the last event of a Responses API stream
+_RESPONSE_END = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 @dataclass(frozen=True)
@@ -74,14 +80,18 @@ class Usage:
 
     @classmethod
     def from_json(cls, usage: Any) -> Usage | None:
+        """Chat/completions usage, or the Responses API's (input/output tokens)."""
         if not isinstance(usage, dict):
             return None
-        details = usage.get("prompt_tokens_details")
+        if "prompt_tokens" not in usage and "input_tokens" in usage:
+            prompt, details, completion = usage.get("input_tokens"), usage.get("input_tokens_details"), usage.get("output_tokens")
+        else:
+            prompt, details, completion = usage.get("prompt_tokens"), usage.get("prompt_tokens_details"), usage.get("completion_tokens")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return cls(
-            prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+            prompt_tokens=_int_or_none(prompt),
             cached_tokens=_int_or_none(cached),
-            completion_tokens=_int_or_none(usage.get("completion_tokens")),
+            completion_tokens=_int_or_none(completion),
         )
 
 
@@ -101,6 +111,9 @@ class Outcome:
     sent_at: float | None = None  # perf_counter when the first upstream request was sent
     error: str | bytes | None = None  # why the last attempt failed before the first byte (bytes: its answer)
     extra: dict[str, Any] = field(default_factory=dict)
+    # called with the answer's JSON object (a whole 2xx body, or the response in a Responses stream's
+    # last event: decoded anyway for the usage) before the client has it
+    on_answer: Callable[[dict[str, Any]], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +160,13 @@ def _nodelay(transport: asyncio.BaseTransport | None) -> None:
 class SseRelay:
     """Frames SSE events across chunk boundaries, reads usage, withholds the usage-only chunk."""
 
-    __slots__ = ("strip_usage", "usage", "done", "_pending")
+    __slots__ = ("strip_usage", "usage", "done", "on_response", "_pending")
 
-    def __init__(self, strip_usage: bool):
+    def __init__(self, strip_usage: bool, on_response: Callable[[dict[str, Any]], None] | None = None):
         self.strip_usage = strip_usage
         self.usage: Usage | None = None
         self.done = False
+        self.on_response = on_response  # called with a Responses stream's final response object
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -174,6 +188,14 @@ class SseRelay:
             return event
         payload = _event_json(event)
         if not isinstance(payload, dict):
+            return event
+        if payload.get("type") in _RESPONSE_END and isinstance(payload.get("response"), dict):
+            # the Responses API ends its stream with this event (no [DONE]); it carries the usage
+            self.done = True
+            response = payload["response"]
+            self.usage = Usage.from_json(response.get("usage")) or self.usage
+            if self.on_response is not None:
+                self.on_response(response)
             return event
         if not isinstance(payload.get("usage"), dict):
             rewritten = error_payload(payload, 500)  # a replica's in-stream error, in OpenAI's shape
@@ -358,6 +380,8 @@ class Proxy:
                 payload = None
             if isinstance(payload, dict):
                 outcome.usage = Usage.from_json(payload.get("usage"))
+                if outcome.on_answer is not None:
+                    outcome.on_answer(payload)
         resp = web.Response(status=status, body=data, headers=headers)
         resp.headers["Content-Type"] = upstream.headers.get("content-type", "application/json")
         return resp
@@ -372,7 +396,7 @@ class Proxy:
         strip_usage: bool,
         outcome: Outcome,
     ) -> web.StreamResponse:
-        relay = SseRelay(strip_usage)
+        relay = SseRelay(strip_usage, outcome.on_answer)
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         resp.content_type = "text/event-stream"
         resp.headers["Cache-Control"] = "no-cache"

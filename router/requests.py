@@ -98,7 +98,7 @@ def _plain_messages(messages: Any) -> bool:
     return True
 
 
-Kind = Literal["completion", "chat"]
+Kind = Literal["completion", "chat", "responses"]  # responses: router/responses.py
 _MODELS: dict[Kind, type[_CommonRequest]] = {"completion": CompletionRequest, "chat": ChatRequest}
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
@@ -119,6 +119,11 @@ class ParsedRequest:
     def client_wants_usage(self) -> bool:
         opts = self.request.stream_options
         return bool(opts and opts.include_usage)
+
+    @property
+    def render_body(self) -> dict[str, Any]:
+        """What routing renders and tokenizes (a Responses request: its chat, router/responses.py)."""
+        return self.body
 
     def forward_body(self, additions: dict[str, Any]) -> bytes:
         """The bytes to send upstream: the original, plus only the router's additions."""

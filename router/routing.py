@@ -107,7 +107,8 @@ def check_client_template(body: Mapping[str, Any], allowed: bool) -> None:
 
 
 def prompt_too_long(parsed: ParsedRequest, message: str) -> NoReturn:
-    raise ApiError(400, message, param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
+    param = {"chat": "messages", "responses": "input"}.get(parsed.kind, "prompt")
+    raise ApiError(400, message, param=param, code="context_length_exceeded")
 
 
 def tenant_salt(api_key: str, secret: bytes) -> str:
@@ -196,11 +197,20 @@ class Router:
 
     # -- the decision -----------------------------------------------------------------------
     async def route(
-        self, parsed: ParsedRequest, *, request_id: str, session_header: str | None, api_key: str | None
+        self,
+        parsed: ParsedRequest,
+        *,
+        request_id: str,
+        session_header: str | None,
+        api_key: str | None,
+        pin: str | None = None,
     ) -> RouteDecision:
+        """``pin``: the replica that must take it while eligible (it holds state the request names)."""
         req = parsed.request
         model = req.model
         replicas = self.eligible(model)
+        if pin is not None:
+            replicas = [r for r in replicas if r.name == pin] or replicas
         lora, base = adapter_of(model, replicas)
 
         additions: dict[str, Any] = {}
@@ -286,11 +296,11 @@ class Router:
         raise ApiError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
 
     async def _tokenize(self, parsed: ParsedRequest, model: str, base: str, limit: int | None) -> Prompt:
-        body = parsed.body
+        body = parsed.render_body
         # an adapter without a tokenizer of its own uses its base model's (else the default one)
         tok = self.tokenizers.get(model if model in self._explicit_tokenizers else base)
         want_text = self.policy.needs_text
-        if parsed.kind == "chat":
+        if parsed.kind != "completion":  # a chat, or a Responses request rendered as one
             messages = body["messages"]
             check_client_template(body, self.tokenizers.client_templates is not None)
             if tok is not None:

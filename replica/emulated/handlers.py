@@ -13,6 +13,7 @@ import hmac
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,18 +21,20 @@ from typing import Any
 from aiohttp import web
 
 from router.requests import decode_json_object, parse_request, prompt_batch
+from router.responses import chat_messages, input_messages, parse_responses
 from router.tokens import ChatTemplateError, Tokenizer
 
 from .driver import EngineDriver, Generation
 from .filler import Filler
 from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .vllm_metrics import ReplicaMetrics
-from .vllm_protocol import (SSE_DONE, ChatShapes, CompletionShapes, ReplicaError, Shapes, dumps, error_middleware,
-                            sse, usage)
+from .vllm_protocol import (SSE_DONE, ChatShapes, CompletionShapes, ReplicaError, ResponsesShapes, Shapes, dumps,
+                            error_middleware, response_usage, sse, usage)
 
 log = logging.getLogger("kvroute.replica")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
+STORED_RESPONSES = 10_000  # /v1/responses conversations kept for previous_response_id (oldest dropped)
 REQUEST_ID = web.RequestKey("request_id", str)  # the id a response echoes in X-Request-Id
 
 
@@ -62,11 +65,14 @@ class ReplicaHandlers:
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
         self.started_at = started_at
+        # response id -> the messages a request continuing it starts with (vLLM's store, bounded here)
+        self.stored_responses: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
 
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware, self._auth_middleware], client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -168,6 +174,54 @@ class ReplicaHandlers:
         if p.stream:
             return await self._stream(request, p, gen, ChatShapes(p.base_id, p.created, self.model))
         return await self._collect(gen, ChatShapes(p.base_id, p.created, self.model))
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's /v1/responses without Harmony: instructions, the stored conversation of
+        previous_response_id and the input's messages, rendered as a chat (router/responses.py
+        states the rules); the answer stored for the next turn unless ``store`` is false."""
+        if self.driver.dead is not None:
+            raise ReplicaError(503, f"engine dead: {self.driver.dead!r}", type="EngineDeadError")
+        parsed = parse_responses(await request.read())
+        body, req = parsed.body, parsed.request
+        self._check_model(req.model)
+        if isinstance(body["input"], list) and len(input_messages(body)) != len(body["input"]):
+            raise ReplicaError(400, "the emulated replica takes message items only", param="input")
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            stored = self.stored_responses.get(req.previous_response_id)
+            if stored is None:
+                raise ReplicaError(404, f"Response with id '{req.previous_response_id}' not found.",
+                                   type="invalid_request_error")
+            history = stored
+        messages = chat_messages(req.instructions, history, input_messages(body))
+        ids = await self._encode_chat({"messages": messages})
+        max_tokens, reason = self._max_tokens(req.max_output_tokens, len(ids), self.default_max_tokens, "stop")
+        base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request[REQUEST_ID] = base_id
+        gen = self.driver.generate(ids, max_tokens, reason, req.cache_salt, bool(req.stream))
+        shapes = ResponsesShapes(base_id, int(time.time()), self.model, body)
+        resp: web.StreamResponse | None = None
+        if req.stream:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            await resp.write(shapes.opening())
+        state: Generation | None = None
+        async with contextlib.aclosing(gen):
+            async for state, new in gen:
+                if new and resp is not None:
+                    await resp.write(shapes.delta(self.filler.text(len(state.prompt_ids), state.generated - new, new)))
+        assert state is not None
+        text = self.filler.text(len(state.prompt_ids), 0, state.generated)
+        stats = response_usage(len(state.prompt_ids), state.generated, state.cached_tokens)
+        if req.store is not False:
+            self.stored_responses[shapes.id] = [*messages, {"role": "assistant", "content": text}]
+            while len(self.stored_responses) > STORED_RESPONSES:
+                self.stored_responses.popitem(last=False)
+        if resp is None:
+            return web.Response(text=dumps(shapes.response("completed", text, stats)), content_type="application/json")
+        await resp.write(shapes.closing(text, stats))
+        await resp.write_eof()
+        return resp
 
     async def _encode_chat(self, body: dict[str, Any]) -> list[int]:
         """The chat's prompt ids, rendered as vLLM renders it: tools, documents and template

@@ -100,10 +100,11 @@ class EmulatedReplica:
         self.driver = EngineDriver(self.engine, VirtualClock(config.time_scale), wire, self.metrics, self.model,
                                    self.block_size)
         self._runner: web.AppRunner | None = None
-        self.app = ReplicaHandlers(model=self.model, max_model_len=self.max_model_len, tokenizer=self.tokenizer,
-                                   driver=self.driver, metrics=self.metrics, api_key=config.api_key,
-                                   default_max_tokens=config.default_max_tokens,
-                                   started_at=lambda: self.started_at).make_app()
+        self.handlers = ReplicaHandlers(model=self.model, max_model_len=self.max_model_len, tokenizer=self.tokenizer,
+                                        driver=self.driver, metrics=self.metrics, api_key=config.api_key,
+                                        default_max_tokens=config.default_max_tokens,
+                                        started_at=lambda: self.started_at)
+        self.app = self.handlers.make_app()
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -165,3 +165,65 @@ class ChatShapes(Shapes):
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage}
+
+
+def response_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The Responses API's usage, which vLLM fills with the cached count always (0 included)."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+class ResponsesShapes:
+    """The objects of one ``/v1/responses`` answer: the response (whole or as it stands) and the
+    stream's events, each numbered, framed as ``event: TYPE`` + ``data: JSON``."""
+
+    def __init__(self, base_id: str, created: int, model: str, body: dict[str, Any]):
+        self.id = f"resp_{base_id}"
+        self.item_id = f"msg_{base_id}"
+        self.created = created
+        self.model = model
+        self.body = body
+        self.sequence = 0
+
+    def _message(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}] if text or status == "completed" else []
+        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+    def response(self, status: str, text: str | None, usage: dict | None) -> dict[str, Any]:
+        body = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.model, "status": status,
+            "instructions": body.get("instructions"), "previous_response_id": body.get("previous_response_id"),
+            "output": [] if text is None else [self._message(text, "completed")], "usage": usage,
+            "error": None, "incomplete_details": None, "metadata": body.get("metadata"),
+            "parallel_tool_calls": True, "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "tool_choice": "auto", "tools": [], "max_output_tokens": body.get("max_output_tokens"),
+            "store": body.get("store", True), "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "user": body.get("user"),
+        }
+
+    def event(self, type: str, **fields: Any) -> bytes:
+        payload = {"type": type, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {type}\n".encode() + sse(payload)
+
+    def opening(self) -> bytes:
+        item = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return (self.event("response.created", response=self.response("in_progress", None, None))
+                + self.event("response.in_progress", response=self.response("in_progress", None, None))
+                + self.event("response.output_item.added", output_index=0, item=self._message("", "in_progress"))
+                + self.event("response.content_part.added", **item,
+                             part={"type": "output_text", "text": "", "annotations": []}))
+
+    def delta(self, text: str) -> bytes:
+        return self.event("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
+                          delta=text, logprobs=[])
+
+    def closing(self, text: str, usage: dict) -> bytes:
+        item = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return (self.event("response.output_text.done", **item, text=text, logprobs=[])
+                + self.event("response.content_part.done", **item,
+                             part={"type": "output_text", "text": text, "annotations": []})
+                + self.event("response.output_item.done", output_index=0, item=self._message(text, "completed"))
+                + self.event("response.completed", response=self.response("completed", text, usage)))
