@@ -53,9 +53,9 @@ _DONE = b"[DONE]"
 # shape that may need rewriting (replica_errors.py), or a Responses stream's last event: only
 # then decode.  Text inside a JSON string
 # cannot match (its quotes are escaped).
-_LOOK = re.compile(
-    rb'"usage"\s*:\s*\{|"error"\s*:|"object"\s*:\s*"error"|"detail"\s*:'
-    rb'|"type"\s*:\s*"response\.(?:completed|incomplete|failed)"'
+_LOOK = re.compile(  # one leading quote: the search stops only at quotes (~1 us on a 200-byte chunk)
+    rb'"(?:usage"\s*:\s*\{|error"\s*:|object"\s*:\s*"error"|detail"\s*:'
+    rb'|type"\s*:\s*"response\.(?:completed|incomplete|failed)")'
 )
 # upstream failures that leave nothing to read; retryable while nothing was written to the client
 # (UpstreamError is an OSError; TimeoutError is asyncio.timeout's)

@@ -8,8 +8,9 @@ import sys
 
 import openai
 import pytest
+from aiohttp import web
 
-from tests.router_support import MODEL, REPO, TINY_TOKENIZER, emulated_replicas
+from tests.router_support import MODEL, REPO, TINY_TOKENIZER, ScriptedReplica, emulated_replicas
 
 SYSTEM = "You are a meticulous assistant for the kvroute access log test. " * 12
 
@@ -116,3 +117,25 @@ async def test_text_format_and_no_access_log():
         finally:
             stderr = await _stop(proc)
         assert "listening" in stderr and "kvroute.access" not in stderr
+
+
+class BusyReplica(ScriptedReplica):
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=503, text="overloaded")
+
+
+async def test_the_logged_replica_is_the_one_that_answered_after_failover():
+    async with emulated_replicas(1) as (good,), BusyReplica() as busy:
+        proc, url = await _start_router([busy.url, good.url], "--log-format", "json", "--policy", "round_robin")
+        try:
+            await _wait_ready(url)
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+                for i in range(2):  # round robin: one of the two goes to the busy replica first
+                    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=2, extra_headers={"X-Request-Id": f"fo-{i}"})
+        finally:
+            stderr = await _stop(proc)
+    access = [json.loads(ln) for ln in stderr.splitlines() if '"kvroute.access"' in ln]
+    assert [rec["replica"] for rec in access] == [good.url, good.url]
+    assert all((rec["attempts"] == 2) == (rec["reason"] == "failover") for rec in access)
+    assert any(rec["reason"] == "failover" for rec in access) and all(rec["status"] == 200 for rec in access)

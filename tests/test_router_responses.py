@@ -153,3 +153,15 @@ def test_memory_renders_the_chain_and_forgets_oldest_first_within_its_budget():
         _turn(memory, f"x{i}", None, "filler " * 10)
     assert memory.chars <= 2_000 and "a" not in memory._turns and memory.history("x19") is not None
     assert memory.prepare(parsed) == ("b", None)  # forgotten: the unknown id becomes the session key
+
+
+async def test_the_emulated_replica_stores_only_what_it_is_asked_to():
+    async with emulated_replicas(1) as (rep,):
+        async with openai.AsyncOpenAI(base_url=rep.url + "/v1", api_key="x", max_retries=0) as client:
+            kept = await client.responses.create(model=MODEL, input="Keep this.", max_output_tokens=2)
+            dropped = await client.responses.create(model=MODEL, input="Not this.", max_output_tokens=2, store=False)
+            follow = await client.responses.create(model=MODEL, input="And?", max_output_tokens=2,
+                                                   previous_response_id=kept.id)
+            assert follow.usage.input_tokens > kept.usage.input_tokens
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.create(model=MODEL, input="And?", previous_response_id=dropped.id)
