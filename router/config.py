@@ -123,7 +123,8 @@ class RouterSettings(BaseSettings):
     kv_events: bool = Field(True, description="follow the KV events of replicas registered with an events endpoint")
     responses_memory_mb: float = Field(
         64.0, gt=0, description="memory of /v1/responses conversations (response id -> replica, session, the "
-        "messages the next turn renders), MB of text, least recently used forgotten first"
+        "messages the next turn renders), MB of text, least recently used forgotten first",
+        json_schema_extra=_hint("MB"),
     )
 
     # -- limits ----------------------------------------------------------------------------
