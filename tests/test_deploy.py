@@ -47,13 +47,22 @@ def run(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None, input: 
 # docker compose
 
 
-def compose_config(profile: str | None) -> dict[str, Any]:
-    """The compose file as Compose v2 resolves it (interpolation, anchors, profiles), with no
-    variables set in the environment: the file's defaults."""
+GRAFANA_PASSWORD = "a-test-password"  # the one variable the compose file requires
+
+
+def compose_env(**variables: str) -> dict[str, str]:
+    """Our environment without any variable the compose file reads, plus ``variables``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVROUTE_", "GRAFANA_", "PROMETHEUS_", "HF_"))}
+    return env | variables
+
+
+def compose_config(profile: str | None, **variables: str) -> dict[str, Any]:
+    """The compose file as Compose v2 resolves it (interpolation, anchors, profiles), with only the
+    required Grafana password (and ``variables``) set: the file's defaults otherwise."""
     args = [tool("docker-compose"), "-f", str(COMPOSE)]
     if profile:
         args += ["--profile", profile]
+    env = compose_env(GRAFANA_ADMIN_PASSWORD=GRAFANA_PASSWORD, **variables)
     return json.loads(run(*args, "config", "--format", "json", env=env))
 
 
@@ -102,6 +111,43 @@ def test_compose_router_environment_is_valid_router_settings(compose, monkeypatc
     assert settings.fleet.dns_name == env["KVROUTE_FLEET__DNS_NAME"]
     assert settings.redis_url == env["KVROUTE_REDIS_URL"] and settings.fleet.discovery_redis
     assert settings.policy == "cost_model" and not settings.api_keys and settings.admin_token is None
+
+
+def test_compose_publishes_on_loopback_unless_told_otherwise(compose):
+    for profile, config in compose.items():
+        ports = [(name, p) for name, service in config["services"].items() for p in service.get("ports", [])]
+        assert {name for name, _ in ports} == {"router-1", "router-2", "prometheus", "grafana"}, profile
+        assert all(p["host_ip"] == "127.0.0.1" for _, p in ports), profile
+    exposed = compose_config("emulated", KVROUTE_BIND_ADDRESS="0.0.0.0")
+    assert {p["host_ip"] for s in exposed["services"].values() for p in s.get("ports", [])} == {"0.0.0.0"}
+
+
+def test_compose_grafana_needs_a_password_and_admits_no_anonymous_viewer(compose):
+    out = subprocess.run([tool("docker-compose"), "-f", str(COMPOSE), "config"], capture_output=True,
+                         text=True, timeout=120, env=compose_env())
+    assert out.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in out.stderr
+    grafana = compose[None]["services"]["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == GRAFANA_PASSWORD
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert not any(key.startswith("GF_AUTH_ANONYMOUS_ORG") for key in grafana)
+
+
+def test_compose_prometheus_has_no_lifecycle_api(compose):
+    command = compose[None]["services"]["prometheus"]["command"]
+    assert command[0].startswith("--config.file=")
+    assert not [arg for arg in command if "lifecycle" in arg or "admin-api" in arg]
+
+
+def test_compose_redis_is_bounded_and_evicts(compose):
+    command = compose[None]["services"]["redis"]["command"]
+    options = dict(zip(command[1::2], command[2::2]))
+    assert options["--maxmemory"] == "512mb" and options["--maxmemory-policy"] == "volatile-lru"
+
+
+def test_compose_routers_pass_their_worker_count(compose):
+    for name in ("router-1", "router-2"):
+        assert compose[None]["services"][name]["environment"]["KVROUTE_WORKERS"] == "1"
+    assert compose_config(None, KVROUTE_WORKERS="auto")["services"]["router-1"]["environment"]["KVROUTE_WORKERS"] == "auto"
 
 
 def services_env(compose: dict, name: str) -> dict[str, str]:
