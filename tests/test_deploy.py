@@ -265,8 +265,11 @@ def test_the_router_image_builds_its_tokenizer_with_a_real_module(tmp_path):
 # Helm chart
 
 
-def helm_template(*sets: str, namespace: str = "llm", chart: Path = CHART, show_only: str | None = None) -> list[dict]:
+def helm_template(*sets: str, namespace: str = "llm", chart: Path = CHART, show_only: str | None = None,
+                  values: Path | None = None) -> list[dict]:
     args = [tool("helm"), "template", "rel", str(chart), "--namespace", namespace]
+    if values:
+        args += ["-f", str(values)]
     for s in sets:
         args += ["--set", s]
     if show_only:
@@ -309,7 +312,7 @@ def test_chart_renders_router_with_probes_pdb_and_service():
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert router["spec"]["replicas"] == 2
     assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(env_of(c)["KVROUTE_DRAIN_TIMEOUT_S"])
-    (pdb,) = kinds["PodDisruptionBudget"]
+    (pdb,) = [p for p in kinds["PodDisruptionBudget"] if p["metadata"]["name"] == "rel-kvroute-router"]
     assert pdb["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
     services = {s["metadata"]["name"]: s for s in kinds["Service"]}
     assert services["rel-kvroute-router"]["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
@@ -482,16 +485,356 @@ def test_chart_rejects_bad_values():
         assert out.returncode != 0, values
 
 
-def test_chart_notes_render(tmp_path):
+def chart_notes(tmp_path: Path, *sets: str, values: Path | None = None) -> str:
     """NOTES.txt rendered as helm would after an install (helm template skips it, and
-    `helm install --dry-run` needs a cluster): wrapped in a ConfigMap of a copy of the chart."""
+    `helm install --dry-run` needs a cluster): included into a ConfigMap of a copy of the chart."""
     chart = tmp_path / "kvroute"
-    shutil.copytree(CHART, chart, symlinks=False)
-    notes = (chart / "templates" / "NOTES.txt").read_text()
-    indented = "\n".join("    " + line for line in notes.splitlines())
-    (chart / "templates" / "zz-notes.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n  notes: |\n" + indented + "\n")
-    (doc,) = helm_template("metrics.serviceMonitor.enabled=true", chart=chart, show_only="templates/zz-notes.yaml")
-    text = doc["data"]["notes"]
+    if not chart.exists():
+        shutil.copytree(CHART, chart, symlinks=False)
+        (chart / "templates" / "zz-notes.yaml").write_text(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+            'data:\n  notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | toJson }}\n')
+    (doc,) = helm_template(*sets, chart=chart, show_only="templates/zz-notes.yaml", values=values)
+    return doc["data"]["notes"]
+
+
+def test_chart_notes_render(tmp_path):
+    text = chart_notes(tmp_path, "metrics.serviceMonitor.enabled=true")
     assert "port-forward svc/rel-kvroute-router 8000:8000" in text
     assert "rel-kvroute-replica.llm.svc.cluster.local:8000" in text and "ServiceMonitors" in text
+
+
+def test_chart_notes_say_whether_and_how_routers_follow_kv_events(tmp_path):
+    """Redis registration (the chart's vLLM replicas with Redis), the convention ports (replicas
+    found otherwise), or none (replicas publish no events)."""
+    assert "KV events: yes, through Redis registration" in chart_notes(tmp_path)
+    emulated = chart_notes(tmp_path, "replica.engine=emulated", "redis.enabled=false")
+    assert "KV events: yes, by convention" in emulated and "tcp://<replica host>:5557 (replay 5558)" in emulated
+    byo = chart_notes(tmp_path, values=CI_VALUES["byo-selector"])
+    assert "KV events: yes, by convention" in byo and ":6557 (replay 6558)" in byo
+    assert "pods labelled app.kubernetes.io/name=vllm,model=qwen in namespace inference" in byo
+    assert "KV events: none" in chart_notes(tmp_path, "replica.kvEvents.enabled=false")
+    assert "DEV MODE ON" in chart_notes(tmp_path, "replica.vllm.devMode=true")
+    assert "DEV MODE" not in chart_notes(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# values.schema.json: wrong values fail lint and template; realistic ones pass
+
+BAD_VALUES = sorted((REPO / "tests" / "assets" / "helm-bad").glob("*.yaml"))
+CI_VALUES = {p.name.removesuffix("-values.yaml"): p for p in sorted((CHART / "ci").glob("*-values.yaml"))}
+
+
+def expectations(path: Path) -> dict[str, str]:
+    """The `# expect: ...` (lint's and template's error) and `# template: ...` (the template's own
+    check, schema skipped) lines heading a bad values file."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("# ") and ": " in line:
+            key, _, text = line[2:].partition(": ")
+            if key in ("expect", "template"):
+                out[key] = text
+    return out
+
+
+def test_there_are_bad_values_to_refuse_and_good_ones_to_pass():
+    assert len(BAD_VALUES) >= 5 and all("expect" in expectations(p) for p in BAD_VALUES)
+    assert {"gpu", "emulated", "byo-service", "byo-selector", "production"} <= set(CI_VALUES)
+
+
+@pytest.mark.parametrize("path", CI_VALUES.values(), ids=list(CI_VALUES))
+def test_helm_lint_passes_the_ci_values(path):
+    assert "0 chart(s) failed" in run(tool("helm"), "lint", "--strict", str(CHART), "-f", str(path))
+
+
+@pytest.mark.parametrize("path", BAD_VALUES, ids=[p.stem for p in BAD_VALUES])
+def test_helm_refuses_bad_values(path):
+    expected = expectations(path)
+    lint = subprocess.run([tool("helm"), "lint", "--strict", str(CHART), "-f", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert lint.returncode != 0 and "1 chart(s) failed" in lint.stdout + lint.stderr, lint.stdout
+    assert expected["expect"] in lint.stdout + lint.stderr
+    render = [tool("helm"), "template", "rel", str(CHART), "-f", str(path)]
+    out = subprocess.run(render, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and expected["expect"] in out.stderr
+    if "template" in expected:  # the templates guard the rule too, for whoever skips the schema
+        out = subprocess.run(render + ["--skip-schema-validation"], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and expected["template"] in out.stderr
+
+
+def schema_paths(schema: dict, root: dict, prefix: str = "") -> set[str]:
+    """Dotted paths of every property the schema declares (following $ref)."""
+    if "$ref" in schema:
+        schema = root["definitions"][schema["$ref"].rsplit("/", 1)[1]]
+    out = set()
+    for name, sub in schema.get("properties", {}).items():
+        out.add(prefix + name)
+        out |= schema_paths(sub, root, f"{prefix}{name}.")
+    return out
+
+
+def value_paths(values: dict, prefix: str = "", free: tuple[str, ...] = ()) -> set[str]:
+    out = set()
+    for key, value in values.items():
+        path = prefix + key
+        out.add(path)
+        if isinstance(value, dict) and not path.endswith(free):
+            out |= value_paths(value, path + ".", free)
+    return out
+
+
+def test_the_schema_covers_every_value_and_lists_the_router_policies():
+    from router.policy import POLICIES
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    # maps of free keys (names, labels, Kubernetes objects) have no declared properties
+    free = ("env", "policyOptions", "annotations", "labels", "podAnnotations", "nodeSelector", "affinity",
+            "requests", "limits", "httpGet", "volume", "podSecurityContext", "securityContext")
+    assert value_paths(values, free=free) <= schema_paths(schema, schema)
+    assert schema["properties"]["router"]["properties"]["policy"]["enum"] == list(POLICIES)
+
+
+# ---------------------------------------------------------------------------------------------
+# bring your own vLLM, Pod Security, Redis bounds, the replica pods
+
+
+def helm_template_values(path: Path, *sets: str) -> dict[str, list[dict]]:
+    return by_kind(helm_template(*sets, values=path))
+
+
+def router_of(kinds: dict[str, list[dict]]) -> dict:
+    (router,) = [d for d in kinds["Deployment"] if d["metadata"]["labels"]["app.kubernetes.io/component"] == "router"]
+    return router
+
+
+def components(kinds: dict[str, list[dict]]) -> set[str]:
+    return {d["metadata"]["labels"].get("app.kubernetes.io/component") for docs in kinds.values() for d in docs}
+
+
+@pytest.mark.parametrize("name", ["byo-service", "byo-selector"])
+def test_byo_mode_renders_no_replica_workload(name):
+    kinds = helm_template_values(CI_VALUES[name], "metrics.serviceMonitor.enabled=true")
+    assert "StatefulSet" not in kinds
+    assert {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in kinds["Deployment"]} <= {"router", "redis"}
+    assert "replica" not in components(kinds)  # no Service, PDB or ServiceMonitor of replicas either
+    env = env_of(router_of(kinds)["spec"]["template"]["spec"]["containers"][0])
+    values = yaml.safe_load(CI_VALUES[name].read_text())
+    if name == "byo-service":
+        assert env["KVROUTE_FLEET__DNS_NAME"] == values["router"]["discovery"]["dnsName"]
+        assert "KVROUTE_FLEET__K8S_SELECTOR" not in env and "KVROUTE_FLEET__EVENTS_PORT" not in env
+    else:
+        k8s = values["router"]["discovery"]["k8s"]
+        assert (env["KVROUTE_FLEET__K8S_SELECTOR"], env["KVROUTE_FLEET__K8S_NAMESPACE"],
+                env["KVROUTE_FLEET__K8S_PORT_NAME"]) == (k8s["selector"], k8s["namespace"], k8s["portName"])
+        assert "KVROUTE_FLEET__DNS_NAME" not in env
+        assert (env["KVROUTE_FLEET__EVENTS_PORT"], env["KVROUTE_FLEET__REPLAY_PORT"]) == ("6557", "6558")
+    assert env["KVROUTE_FLEET__DISCOVERY_REDIS"] == "true"
+
+
+def literal_env(container: dict) -> dict[str, str]:
+    return {k: v for k, v in env_of(container).items() if isinstance(v, str)}
+
+
+def load_router_env(env: dict[str, str], monkeypatch):
+    from router.config import load_settings
+
+    for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return load_settings([])
+
+
+def test_byo_service_environment_is_valid_router_settings(monkeypatch):
+    kinds = helm_template_values(CI_VALUES["byo-service"])
+    settings = load_router_env(literal_env(router_of(kinds)["spec"]["template"]["spec"]["containers"][0]), monkeypatch)
+    assert settings.fleet.dns_name == "vllm-headless.inference.svc.cluster.local:8000"
+    assert settings.fleet.discovery_redis and settings.kv_events
+
+
+def test_byo_selector_environment_is_valid_router_settings(monkeypatch):
+    from router.fleet import FleetSettings
+
+    needed = {"k8s_selector", "k8s_namespace", "k8s_port_name", "events_port", "replay_port"}
+    if missing := needed - set(FleetSettings.model_fields):
+        pytest.skip(f"FleetSettings has no {sorted(missing)} yet (Kubernetes discovery, convention ports)")
+    kinds = helm_template_values(CI_VALUES["byo-selector"])
+    settings = load_router_env(literal_env(router_of(kinds)["spec"]["template"]["spec"]["containers"][0]), monkeypatch)
+    assert settings.fleet.k8s_selector == "app.kubernetes.io/name=vllm,model=qwen"
+    assert (settings.fleet.events_port, settings.fleet.replay_port) == (6557, 6558)
+
+
+def test_chart_without_kv_events_tells_routers_not_to_follow_them(monkeypatch):
+    kinds = by_kind(helm_template("replica.kvEvents.enabled=false"))
+    settings = load_router_env(literal_env(router_of(kinds)["spec"]["template"]["spec"]["containers"][0]), monkeypatch)
+    assert settings.kv_events is False
+    sts = kinds["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--events-endpoint" not in sts["args"]
+
+
+# Pod Security Standards, "restricted" (kubernetes.io/docs/concepts/security/pod-security-standards):
+# every check of the baseline profile and of the restricted one, as a pod spec shows it.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                "net.ipv4.tcp_keepalive_probes"}
+
+
+def restricted_violations(pod: dict, annotations: dict[str, str]) -> list[str]:
+    bad = []
+    psc = pod.get("securityContext", {})
+    bad += [field for field in ("hostNetwork", "hostPID", "hostIPC") if pod.get(field)]
+    bad += [f"volume {v['name']}" for v in pod.get("volumes", []) if not (set(v) - {"name"}) <= RESTRICTED_VOLUMES]
+    bad += [f"sysctl {s['name']}" for s in psc.get("sysctls", []) if s["name"] not in SAFE_SYSCTLS]
+    if psc.get("runAsUser") == 0 or psc.get("runAsNonRoot") is False:
+        bad.append("pod runs as root")
+    if psc.get("seLinuxOptions", {}).get("type") not in (None, "", "container_t", "container_init_t", "container_kvm_t",
+                                                          "container_engine_t"):
+        bad.append("SELinux type")
+    if {"user", "role"} & set(psc.get("seLinuxOptions", {})):
+        bad.append("SELinux user/role")
+    if psc.get("appArmorProfile", {}).get("type") == "Unconfined":
+        bad.append("pod AppArmor Unconfined")
+    if any(k.startswith("container.apparmor.security.beta.kubernetes.io/") and v == "unconfined"
+           for k, v in annotations.items()):
+        bad.append("AppArmor annotation unconfined")
+    if psc.get("windowsOptions", {}).get("hostProcess"):
+        bad.append("pod hostProcess")
+    containers = pod["containers"] + pod.get("initContainers", []) + pod.get("ephemeralContainers", [])
+    for c in containers:
+        sc, name = c.get("securityContext", {}), c["name"]
+        if sc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation not false")
+        if not (sc.get("runAsNonRoot") is True or (psc.get("runAsNonRoot") is True and sc.get("runAsNonRoot") is not False)):
+            bad.append(f"{name}: runAsNonRoot not true")
+        if sc.get("runAsUser") == 0:
+            bad.append(f"{name}: runAsUser 0")
+        seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile {seccomp}")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            bad.append(f"{name}: capabilities not dropped")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: capabilities added")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{name}: hostPort")
+        if sc.get("procMount", "Default") != "Default":
+            bad.append(f"{name}: procMount")
+        if sc.get("appArmorProfile", {}).get("type") == "Unconfined":
+            bad.append(f"{name}: AppArmor Unconfined")
+        if sc.get("windowsOptions", {}).get("hostProcess"):
+            bad.append(f"{name}: hostProcess")
+        if {"user", "role"} & set(sc.get("seLinuxOptions", {})):
+            bad.append(f"{name}: SELinux user/role")
+    return bad
+
+
+def test_the_restricted_check_catches_what_the_profile_forbids():
+    """The checker above refuses each thing it looks for (or the next test proves nothing)."""
+    good = {"securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{"name": "c", "securityContext": {"allowPrivilegeEscalation": False,
+                                                             "capabilities": {"drop": ["ALL"]}}}],
+            "volumes": [{"name": "tmp", "emptyDir": {}}]}
+    assert restricted_violations(good, {}) == []
+    for change in ({"hostNetwork": True}, {"volumes": [{"name": "h", "hostPath": {"path": "/"}}]},
+                   {"securityContext": {"runAsNonRoot": True}},
+                   {"securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}},
+                   {"containers": [{"name": "c", "securityContext": {"allowPrivilegeEscalation": False}}]},
+                   {"containers": [{"name": "c", "securityContext": {"capabilities": {"drop": ["ALL"]}}}]},
+                   {"containers": [{"name": "c", "ports": [{"hostPort": 80}], "securityContext": good["containers"][0]["securityContext"]}]}):
+        assert restricted_violations(good | change, {}), change
+
+
+@pytest.mark.parametrize("name", [None, *CI_VALUES])
+def test_router_redis_and_emulated_pods_meet_pod_security_restricted(name):
+    """Routers and Redis always; replicas when emulated (vLLM's image runs as root)."""
+    kinds = helm_template_values(CI_VALUES[name]) if name else by_kind(helm_template())
+    workloads = kinds["Deployment"] + [s for s in kinds.get("StatefulSet", [])
+                                       if s["spec"]["template"]["spec"]["containers"][0]["command"][3] == "emulated"]
+    assert (name == "emulated") == any(w["kind"] == "StatefulSet" for w in workloads)
+    for workload in workloads:
+        template = workload["spec"]["template"]
+        assert restricted_violations(template["spec"], template["metadata"].get("annotations") or {}) == [], \
+            workload["metadata"]["name"]
+    # runAsNonRoot needs a numeric user: the router image's (deploy/Dockerfile.router) is the pod's
+    router = router_of(kinds)["spec"]["template"]["spec"]
+    uid = next(line.split()[1] for line in (DEPLOY / "Dockerfile.router").read_text().splitlines() if line.startswith("USER "))
+    assert str(router["securityContext"]["runAsUser"]) == uid
+
+
+def memory_bytes(quantity: str | int) -> int:
+    quantity = str(quantity)
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    for unit, factor in units.items():
+        if quantity.endswith(unit):
+            return int(quantity[: -len(unit)]) * factor
+    return int(quantity)
+
+
+@pytest.mark.parametrize("sets", [(), ("redis.resources.limits.memory=3G", "redis.maxmemoryPercent=50"),
+                                  ("redis.resources.limits.memory=536870912", "redis.maxmemoryPolicy=allkeys-lru")])
+def test_chart_redis_has_maxmemory_below_its_limit_and_evicts(sets):
+    redis = next(d for d in by_kind(helm_template(*sets))["Deployment"] if d["metadata"]["name"] == "rel-kvroute-redis")
+    c = redis["spec"]["template"]["spec"]["containers"][0]
+    options = dict(zip(c["args"][1::2], c["args"][2::2]))
+    limit = memory_bytes(c["resources"]["limits"]["memory"])
+    percent = next((int(s.split("=")[1]) for s in sets if s.startswith("redis.maxmemoryPercent=")), 75)
+    assert int(options["--maxmemory"]) == limit * percent // 100 < limit
+    assert options["--maxmemory-policy"] == next((s.split("=")[1] for s in sets if "Policy" in s), "volatile-lru")
+
+
+def test_vllm_dev_mode_is_off_unless_asked():
+    from replica.cli import build_parser
+
+    for sets, dev_mode in [((), False), (("replica.vllm.devMode=true",), True)]:
+        c = by_kind(helm_template(*sets))["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]
+        assert build_parser().parse_args(c["command"][2:] + c["args"]).dev_mode is dev_mode, sets
+
+
+def test_chart_accelerator_runtime_class_and_scheduling():
+    kinds = by_kind(helm_template("replica.accelerator.resourceName=amd.com/gpu", "replica.gpus=4",
+                                  "replica.runtimeClassName=rocm", "replica.tolerations[0].key=dedicated",
+                                  "replica.tolerations[0].operator=Exists", "replica.nodeSelector.pool=mi300"))
+    pod = kinds["StatefulSet"][0]["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["limits"]["amd.com/gpu"] == resources["requests"]["amd.com/gpu"] == 4
+    assert "nvidia.com/gpu" not in json.dumps(resources)
+    assert pod["runtimeClassName"] == "rocm" and pod["nodeSelector"] == {"pool": "mi300"}
+    assert {t["key"] for t in pod["tolerations"]} == {"amd.com/gpu", "dedicated"}
+    assert "runtimeClassName" not in by_kind(helm_template())["StatefulSet"][0]["spec"]["template"]["spec"]
+
+
+def test_chart_replica_disruption_budget_selects_the_replicas():
+    kinds = by_kind(helm_template())
+    (pdb,) = [p for p in kinds["PodDisruptionBudget"] if p["metadata"]["name"] == "rel-kvroute-replica"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == kinds["StatefulSet"][0]["spec"]["selector"]["matchLabels"]
+    names = {p["metadata"]["name"] for p in by_kind(helm_template("replica.podDisruptionBudget.enabled=false"))["PodDisruptionBudget"]}
+    assert names == {"rel-kvroute-router"}
+
+
+def test_chart_probes_can_be_overridden():
+    kinds = by_kind(helm_template("router.probes.liveness.periodSeconds=7", "router.probes.startup.failureThreshold=90",
+                                  "replica.probes.startup.failureThreshold=500", "replica.probes.readiness.periodSeconds=9"))
+    router = router_of(kinds)["spec"]["template"]["spec"]["containers"][0]
+    assert router["livenessProbe"] == {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 7,
+                                       "timeoutSeconds": 3, "failureThreshold": 3}
+    assert router["startupProbe"]["failureThreshold"] == 90
+    replica = kinds["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]
+    assert replica["startupProbe"]["failureThreshold"] == 500 and replica["readinessProbe"]["periodSeconds"] == 9
+    default = by_kind(helm_template("replica.startupTimeoutSeconds=600"))["StatefulSet"][0]
+    startup = default["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > 600  # derived from the timeout when not given
+
+
+def test_chart_router_workers():
+    for sets, expected in [((), "1"), (("router.workers=auto",), "auto"), (("router.workers=4",), "4")]:
+        env = env_of(router_of(by_kind(helm_template(*sets)))["spec"]["template"]["spec"]["containers"][0])
+        assert env["KVROUTE_WORKERS"] == expected

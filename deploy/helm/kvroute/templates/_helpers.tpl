@@ -87,3 +87,89 @@ redis://{{ include "kvroute.redis.fullname" . }}:6379/0
       key: {{ .key }}
       optional: true
 {{- end -}}
+
+{{/* KVROUTE_REDIS_URL (a value, or a reference to an existing Secret) and the key prefix. */}}
+{{- define "kvroute.redis.urlEnv" -}}
+{{- if .Values.redis.existingSecret -}}
+- name: KVROUTE_REDIS_URL
+  valueFrom:
+    secretKeyRef: {name: {{ .Values.redis.existingSecret | quote }}, key: {{ .Values.redis.existingSecretKey | quote }}}
+{{- else -}}
+- {name: KVROUTE_REDIS_URL, value: {{ include "kvroute.redis.url" . | quote }}}
+{{- end }}
+- {name: KVROUTE_REDIS_KEY_PREFIX, value: {{ .Values.redis.keyPrefix | quote }}}
+{{- end -}}
+
+{{/* Where the routers find replicas, and where those publish KV events (router/fleet.py's
+FleetSettings).  Bring your own vLLM (replica.enabled=false) needs at least one source. */}}
+{{- define "kvroute.router.discoveryEnv" -}}
+{{- $d := .Values.router.discovery -}}
+{{- $ev := .Values.replica.kvEvents -}}
+{{- $redis := and $d.redis (include "kvroute.redis.configured" .) -}}
+{{- if .Values.replica.enabled -}}
+{{- if $d.dnsName }}{{ fail "router.discovery.dnsName is for replica.enabled=false: the chart's replicas are found through their own headless Service" }}{{ end -}}
+# the chart's replicas: every ready pod behind their headless service
+- {name: KVROUTE_FLEET__DNS_NAME, value: {{ include "kvroute.replica.dnsName" . | quote }}}
+{{- else -}}
+{{- if not (or $d.replicas $d.dnsName $d.k8s.selector $redis) -}}
+{{- fail "replica.enabled=false (bring your own vLLM) needs router.discovery.dnsName (a headless Service), router.discovery.k8s.selector, router.discovery.replicas, or Redis registrations (router.discovery.redis with redis.enabled/externalUrl/existingSecret)" -}}
+{{- end -}}
+# bring your own vLLM: the replicas router.discovery names
+{{- with $d.dnsName }}
+- {name: KVROUTE_FLEET__DNS_NAME, value: {{ . | quote }}}
+{{- end }}
+{{- end }}
+{{- with $d.replicas }}
+- {name: KVROUTE_REPLICAS, value: {{ join "," . | quote }}}
+{{- end }}
+{{- if $d.k8s.selector }}
+- {name: KVROUTE_FLEET__K8S_SELECTOR, value: {{ $d.k8s.selector | quote }}}
+- {name: KVROUTE_FLEET__K8S_NAMESPACE, value: {{ default .Release.Namespace $d.k8s.namespace | quote }}}
+- {name: KVROUTE_FLEET__K8S_PORT_NAME, value: {{ $d.k8s.portName | quote }}}
+{{- end }}
+{{- if $redis }}
+# registrations written by replica launchers carry their KV-event endpoints (and win)
+- {name: KVROUTE_FLEET__DISCOVERY_REDIS, value: "true"}
+{{- end }}
+{{- if not $ev.enabled }}
+# the replicas publish no KV events: route on predictions, subscribe to nothing
+- {name: KVROUTE_KV_EVENTS, value: "false"}
+{{- else }}
+{{- /* 5557/5558 are the routers' own defaults for replicas without a registration */ -}}
+{{- if ne (int $ev.port) 5557 }}
+- {name: KVROUTE_FLEET__EVENTS_PORT, value: {{ $ev.port | quote }}}
+{{- end }}
+{{- if ne (int $ev.replayPort) 5558 }}
+- {name: KVROUTE_FLEET__REPLAY_PORT, value: {{ $ev.replayPort | quote }}}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* How routers follow KV events, in words (NOTES.txt). */}}
+{{- define "kvroute.kvEventsMode" -}}
+{{- $ev := .Values.replica.kvEvents -}}
+{{- $redis := and .Values.router.discovery.redis (include "kvroute.redis.configured" .) -}}
+{{- if not $ev.enabled -}}
+none: replica.kvEvents.enabled=false, so the routers route on their own predictions only.
+{{- else if and .Values.replica.enabled $redis (eq .Values.replica.engine "vllm") -}}
+yes, through Redis registration: each vLLM replica's launcher registers its KV-event endpoints
+(pod IP, ports {{ $ev.port }}/{{ $ev.replayPort }}) and every router subscribes to them.
+{{- else -}}
+yes, by convention: every router subscribes to tcp://<replica host>:{{ $ev.port }} (replay {{ $ev.replayPort }})
+of each replica it finds{{ if $redis }}, unless a Redis registration names other endpoints{{ end }}.
+A replica that publishes nothing there is detected and routed on predictions
+(GET /admin/replicas says which; metric kvroute_kv_events_applied_total stays flat for it).
+{{- end -}}
+{{- end -}}
+
+{{/* Redis's maxmemory in bytes: redis.maxmemoryPercent of redis.resources.limits.memory (a
+Kubernetes quantity: plain bytes or a k, M, G, T, Ki, Mi, Gi or Ti suffix; the schema checks it). */}}
+{{- define "kvroute.redis.maxmemory" -}}
+{{- $limit := required "redis.resources.limits.memory is needed: it bounds Redis's maxmemory" .Values.redis.resources.limits.memory -}}
+{{- $limit = ternary $limit (toString (int64 $limit)) (kindIs "string" $limit) -}}  {{- /* a number: bytes (YAML's are floats) */ -}}
+{{- $number := regexFind "^[0-9]+" $limit -}}
+{{- $unit := trimPrefix $number $limit -}}
+{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- if not (hasKey $units $unit) }}{{ fail (printf "redis.resources.limits.memory %q: use whole bytes or a k, M, G, T, Ki, Mi, Gi or Ti suffix" $limit) }}{{ end -}}
+{{- div (mul (int64 $number) (get $units $unit) .Values.redis.maxmemoryPercent) 100 -}}
+{{- end -}}
