@@ -634,6 +634,15 @@ def test_byo_mode_renders_no_replica_workload(name):
     assert env["KVROUTE_FLEET__DISCOVERY_REDIS"] == "true"
 
 
+def test_a_selector_replaces_the_headless_service_for_the_charts_own_replicas():
+    kinds = by_kind(helm_template("router.discovery.k8s.selector=app.kubernetes.io/component=replica",
+                                  "router.discovery.k8s.port=8000"))
+    env = env_of(router_of(kinds)["spec"]["template"]["spec"]["containers"][0])
+    assert "KVROUTE_FLEET__DNS_NAME" not in env and kinds["StatefulSet"]
+    assert (env["KVROUTE_FLEET__K8S_SELECTOR"], env["KVROUTE_FLEET__K8S_NAMESPACE"], env["KVROUTE_FLEET__K8S_PORT"]) == \
+        ("app.kubernetes.io/component=replica", "llm", "8000")
+
+
 def literal_env(container: dict) -> dict[str, str]:
     return {k: v for k, v in env_of(container).items() if isinstance(v, str)}
 

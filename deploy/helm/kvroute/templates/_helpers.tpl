@@ -108,8 +108,10 @@ FleetSettings).  Bring your own vLLM (replica.enabled=false) needs at least one 
 {{- $redis := and $d.redis (include "kvroute.redis.configured" .) -}}
 {{- if .Values.replica.enabled -}}
 {{- if $d.dnsName }}{{ fail "router.discovery.dnsName is for replica.enabled=false: the chart's replicas are found through their own headless Service" }}{{ end -}}
-# the chart's replicas: every ready pod behind their headless service
+{{- if not $d.k8s.selector }}
+# the chart's replicas: every ready pod behind their headless service (a selector replaces it)
 - {name: KVROUTE_FLEET__DNS_NAME, value: {{ include "kvroute.replica.dnsName" . | quote }}}
+{{- end }}
 {{- else -}}
 {{- if not (or $d.replicas $d.dnsName $d.k8s.selector $redis) -}}
 {{- fail "replica.enabled=false (bring your own vLLM) needs router.discovery.dnsName (a headless Service), router.discovery.k8s.selector, router.discovery.replicas, or Redis registrations (router.discovery.redis with redis.enabled/externalUrl/existingSecret)" -}}
@@ -126,6 +128,9 @@ FleetSettings).  Bring your own vLLM (replica.enabled=false) needs at least one 
 - {name: KVROUTE_FLEET__K8S_SELECTOR, value: {{ $d.k8s.selector | quote }}}
 - {name: KVROUTE_FLEET__K8S_NAMESPACE, value: {{ default .Release.Namespace $d.k8s.namespace | quote }}}
 - {name: KVROUTE_FLEET__K8S_PORT_NAME, value: {{ $d.k8s.portName | quote }}}
+{{- if $d.k8s.port }}
+- {name: KVROUTE_FLEET__K8S_PORT, value: {{ $d.k8s.port | quote }}}
+{{- end }}
 {{- end }}
 {{- if $redis }}
 # registrations written by replica launchers carry their KV-event endpoints (and win)
