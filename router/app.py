@@ -46,6 +46,7 @@ from .index.base import PrefixIndex
 from .index.client import IndexClient
 from .index.memory import MemoryIndex
 from .kvevents import KVEventSubscriber
+from .kvevents.metrics import KVEventsStateCollector
 from .load import LoadTracker
 from .logs import configure_logging
 from .metrics import CONTENT_TYPE, RouterMetrics
@@ -145,9 +146,14 @@ class RouterApp:
         self.metrics = RouterMetrics(self.policy.name, self.policy.reasons, s.max_client_labels)
         # every index call goes through it: budgets, failure counts, writes behind the answer
         self.index_client = IndexClient(self.index, metrics=self.metrics.index, timeout_s=s.index_timeout_s)
-        self.fleet = Fleet(s.fleet, self.session, index=self.index_client, registry=self.metrics.registry)
+        self.fleet = Fleet(
+            s.fleet, self.session, index=self.index_client, registry=self.metrics.registry, follows_events=s.kv_events
+        )
         self.fleet.subscribe(self._on_fleet_event)
         self.metrics.bind_replicas(self._replica_gauges)
+        self.metrics.registry.register(
+            KVEventsStateCollector(lambda: ((r.name, r.kv_events) for r in self.fleet.replicas()))
+        )
         # the engines' own prefix-cache counters, next to the router's delivered figure
         EngineCacheCounters(self.metrics.registry).attach(self.fleet)
         self.reuse = ReuseTracker(window_blocks=s.reuse_window_blocks)
@@ -175,11 +181,13 @@ class RouterApp:
         self._started = True
         self.kv_events: KVEventSubscriber | None = None
         if s.kv_events:
-            # Replicas that registered an events endpoint are followed once up: their BlockStored /
-            # BlockRemoved confirm and remove index entries (started first: the fleet's first round
-            # already announces replicas as up).
+            # Replicas with an events endpoint (registered, configured or by convention) are followed
+            # once up: their BlockStored / BlockRemoved confirm and remove index entries (started
+            # first: the fleet's first round already announces replicas as up).
             self.kv_events = KVEventSubscriber(
-                self.index_client, block_size_for=self.fleet.block_size, registry=self.metrics.registry
+                self.index_client, block_size_for=self.fleet.block_size, registry=self.metrics.registry,
+                topic=s.fleet.events_topic, silent_after_s=s.fleet.events_silent_after_s,
+                on_state=self.fleet.set_kv_events,
             )
             self.fleet.subscribe(self.kv_events.on_fleet_event)
         try:

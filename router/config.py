@@ -11,7 +11,10 @@ The config file is TOML (``.toml``, read by the standard library) or JSON (``.js
 are the field names, nested tables for ``fleet``, ``tokenizers`` and ``policy_options``::
 
     port = 8000
-    replicas = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    replicas = [
+        "http://10.0.0.1:8000",  # KV events by convention: tcp://10.0.0.1:5557, replay :5558
+        {url = "http://10.0.0.2:8000", events_endpoint = "tcp://10.0.0.2:6557", replay_endpoint = ""},
+    ]
     policy = "cost_model"
     [tokenizers]
     "meta-llama/Llama-3.1-8B-Instruct" = "/models/llama-3.1-8b"
@@ -37,6 +40,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from .discovery import ReplicaEntry, entry_url
 from .fleet import FleetSettings
 from .policy import POLICIES
 from .settings_cli import cli_source
@@ -91,8 +95,9 @@ class RouterSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
 
     # -- fleet -----------------------------------------------------------------------------
-    replicas: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="replica base URLs, comma-separated (added to fleet.replicas)",
+    replicas: Annotated[list[str | ReplicaEntry], NoDecode] = Field(
+        default_factory=list, description="replica base URLs, comma-separated (added to fleet.replicas); in the "
+        "config file also {url, events_endpoint, replay_endpoint} objects",
         json_schema_extra=_hint("URL[,URL...]"),
     )
     fleet: FleetSettings = Field(default_factory=FleetSettings, description="replica discovery and health")
@@ -120,7 +125,10 @@ class RouterSettings(BaseSettings):
         600.0, gt=0, description="life of a Redis index key nobody writes or refreshes (routers refresh theirs every second)"
     )
     predicted_ttl_s: float = Field(30.0, gt=0, description="life of a prediction on replicas with KV events")
-    kv_events: bool = Field(True, description="follow the KV events of replicas registered with an events endpoint")
+    kv_events: bool = Field(
+        True, description="follow the replicas' KV events (registered in Redis, configured, or by the fleet.events_port "
+        "convention)"
+    )
     responses_memory_mb: float = Field(
         64.0, gt=0, description="memory of /v1/responses conversations (response id -> replica, session, the "
         "messages the next turn renders), MB of text, least recently used forgotten first",
@@ -226,7 +234,8 @@ class RouterSettings(BaseSettings):
     def _merge_shorthands(self) -> RouterSettings:
         # `--replicas` and `--redis-url` are the everyday flags; the fleet reads its own settings
         merged = list(self.fleet.replicas)
-        merged += [url for url in self.replicas if url not in merged]
+        known = {entry_url(e) for e in merged}
+        merged += [e for e in self.replicas if entry_url(e) not in known]
         self.fleet.replicas = merged
         if self.redis_url and not self.fleet.redis_url:
             self.fleet.redis_url = self.redis_url

@@ -35,10 +35,14 @@ from .discovery import (
     DiscoveryMetrics,
     DiscoverySource,
     DnsSource,
+    EventEndpointResolver,
+    EventEndpoints,
     K8sSource,
     RedisSource,
+    ReplicaEntry,
     Source,
     StaticSource,
+    entry_url,
 )
 from .registry import ReplicaRecord
 from .probes import ReplicaProbes
@@ -49,13 +53,18 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
 FleetEvent = Literal["joined", "left", "up", "down", "restarted", "changed"]
+# Whether a replica's KV events are followed: "off" (no endpoint, or not following events),
+# "pending" (followed, nothing heard yet), "following" (a batch or a replay answer came), "silent"
+# (nothing within events_silent_after_s: routed on predictions, as a replica without events)
+KVEventsState = Literal["off", "pending", "following", "silent"]
 
 
 class FleetSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt setting is an error, as at the top level
 
-    replicas: list[str] = Field(
-        [], description="static replica base URLs, comma-separated (e.g. http://10.0.0.1:8000)",
+    replicas: list[str | ReplicaEntry] = Field(
+        [], description="static replica base URLs, comma-separated (e.g. http://10.0.0.1:8000); in the config file "
+        "also {url, events_endpoint, replay_endpoint} objects (KV-event endpoints of their own)",
         json_schema_extra=hint("URL[,URL...]"),
     )
     discovery_redis: bool = Field(False, description="read replica registrations from Redis (needs redis_url)")
@@ -112,6 +121,22 @@ class FleetSettings(BaseModel):
         None, gt=0, description="KV capacity of a replica in blocks (unset: its num_gpu_blocks)"
     )
     fallback_capacity_blocks: int = Field(65536, gt=0, description="index bound of a replica while its capacity is unknown")
+    events_port: int = Field(
+        5557, ge=0, le=65535, description="KV events of a replica not registered in Redis: tcp://ITS_HOST:PORT "
+        "(vLLM's default endpoint; 0: no events by convention)", json_schema_extra=hint("PORT"),
+    )
+    replay_port: int = Field(
+        5558, ge=0, le=65535, description="its replay socket by the same convention (0: none)",
+        json_schema_extra=hint("PORT"),
+    )
+    events_topic: str = Field(
+        "", description="topic prefix to subscribe to (vLLM's kv_events_config topic; empty: every topic)",
+        json_schema_extra=hint("TOPIC"),
+    )
+    events_silent_after_s: float = Field(
+        10.0, gt=0, description="a followed replica with no KV-event batch and no replay answer for this long is "
+        "'silent': routed on predictions until its events arrive"
+    )
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -137,8 +162,10 @@ class Replica:
     model_cards: list[dict[str, Any]] = field(default_factory=list)
     block_size: int | None = None  # effective: configured, else scraped, else registered
     capacity_blocks: int | None = None
-    events_endpoint: str | None = None  # from its Redis registration when present
+    events_endpoint: str | None = None  # router/discovery/event_endpoints.py says which
     replay_endpoint: str | None = None
+    events_origin: str | None = None  # "registered", "configured", "convention"
+    kv_events: KVEventsState = "off"  # the KV-event subscriber reports it (set_kv_events)
     healthy: bool = False
     draining: bool = False
     # scraped load
@@ -175,6 +202,9 @@ class ReplicaStatus:
     capacity_blocks: int | None
     sources: list[str]
     events_endpoint: str | None
+    replay_endpoint: str | None
+    events_origin: str | None
+    kv_events: KVEventsState
     health_failures: int
     scrape_age_s: float | None
     # this router's own load there (router.load owns it; the app fills it in)
@@ -191,8 +221,13 @@ class Fleet:
         index: PrefixIndex | IndexClient,
         redis: aioredis.Redis | None = None,  # else created from settings.redis_url when needed
         registry: CollectorRegistry | None = None,  # where discovery counts its errors (the router's)
+        follows_events: bool = True,  # False: no KV-event subscriber, every replica is routed on predictions
     ):
         self.settings = settings
+        self.follows_events = follows_events
+        self._endpoints = EventEndpointResolver(
+            settings.replicas, events_port=settings.events_port, replay_port=settings.replay_port
+        )
         self.session = session
         self.index = as_client(index)
         self._redis = redis  # Redis discovery's client, if the caller has one; else made from settings
@@ -235,7 +270,7 @@ class Fleet:
 
     def _make_sources(self) -> list[DiscoverySource]:
         s = self.settings
-        sources: list[DiscoverySource] = [StaticSource(s.replicas)]
+        sources: list[DiscoverySource] = [StaticSource(entry_url(e) for e in s.replicas)]
         if s.discovery_redis:
             if self._redis is not None:
                 sources.append(RedisSource(self._redis, s.redis_key_prefix, s.discovery_timeout_s))
@@ -256,7 +291,7 @@ class Fleet:
 
     def subscribe(self, callback: Callable[[FleetEvent, Replica], None]) -> None:
         """Call ``callback(event, replica)`` on joined/left/up/down/restarted/changed (a KV-event
-        subscriber follows joined/changed/left; "changed" means new event endpoints)."""
+        subscriber follows up/down/changed/left; "changed" means new event endpoints)."""
         self._listeners.append(callback)
 
     def on_scrape(self, callback: Callable[[Replica, ScrapeResult], None]) -> None:
@@ -358,6 +393,9 @@ class Fleet:
                     capacity_blocks=r.capacity_blocks,
                     sources=sorted(r.sources),
                     events_endpoint=r.events_endpoint,
+                    replay_endpoint=r.replay_endpoint,
+                    events_origin=r.events_origin,
+                    kv_events=r.kv_events,
                     health_failures=r.health_failures,
                     scrape_age_s=None if r.last_scrape is None else now - r.last_scrape,
                 )
@@ -378,6 +416,16 @@ class Fleet:
         r.breaker.record_failure()
         if self._loops:  # not after stop()
             self._spawn(r, "health", self._probe)
+
+    def set_kv_events(self, name: str, state: KVEventsState) -> None:
+        """The KV-event subscriber's verdict on ``name``'s events.  The index learns whether its
+        predictions wait for events (expire) or stand on their own (a silent replica's)."""
+        r = self._replicas.get(name)
+        if r is None or r.kv_events == state or (state != "off" and not r.events_endpoint):
+            return
+        r.kv_events = state
+        if self._loops and r.healthy:  # else the next sync (mark up, scrape) tells the index
+            self._spawn(r, "index", self._sync_index)
 
     async def drain(self, name: str) -> bool:
         """Stop routing new requests to it (in-flight ones finish).  False if unknown."""
@@ -448,6 +496,7 @@ class Fleet:
                 if record is not None:
                     records[url] = record
 
+        endpoints = self._endpoints.resolve(desired, records)
         for name, sources in desired.items():
             r = self._replicas.get(name)
             joined = r is None
@@ -461,13 +510,12 @@ class Fleet:
                 log.info("replica %s joined (%s)", name, ",".join(sorted(sources)))
             r.sources = sources
             record = records.get(name)
-            endpoints_changed = False
-            if record != r.record:
+            record_changed = record != r.record
+            if record_changed:
                 r.record = record
-                endpoints = (record.events_endpoint, record.replay_endpoint) if record else (None, None)
-                endpoints_changed = endpoints != (r.events_endpoint, r.replay_endpoint)
-                r.events_endpoint, r.replay_endpoint = endpoints
                 self._resolve_geometry(r)
+            endpoints_changed = self._set_endpoints(r, endpoints[name])
+            if record_changed or endpoints_changed:
                 await self._sync_index(r)
             if joined:
                 self._notify("joined", r)
@@ -475,6 +523,16 @@ class Fleet:
                 self._notify("changed", r)  # e.g. re-registered with new KV-event endpoints
         for name in [n for n in self._replicas if n not in desired]:
             await self._remove(self._replicas[name])
+
+    def _set_endpoints(self, r: Replica, ep: EventEndpoints) -> bool:
+        """True if they changed; the KV-event state then starts over."""
+        if (ep.events, ep.replay, ep.origin) == (r.events_endpoint, r.replay_endpoint, r.events_origin):
+            return False
+        if ep.events != r.events_endpoint:
+            log.info("replica %s: KV events %s", r.name, f"at {ep.events} ({ep.origin})" if ep.events else "none")
+        r.events_endpoint, r.replay_endpoint, r.events_origin = ep.events, ep.replay, ep.origin
+        r.kv_events = "pending" if ep.events and self.follows_events else "off"
+        return True
 
     async def _remove(self, r: Replica) -> None:
         del self._replicas[r.name]
@@ -587,7 +645,8 @@ class Fleet:
         spec = ReplicaSpec(
             name=r.name,
             capacity_blocks=r.capacity_blocks or self.settings.fallback_capacity_blocks,
-            publishes_events=bool(r.events_endpoint),
+            # until found silent, predictions on a replica with events expire: its events confirm them
+            publishes_events=r.kv_events in ("pending", "following"),
         )
         # a failure (counted by the client) leaves indexed_spec behind: the next scrape retries
         if spec != r.indexed_spec and await self.index.add_replica(spec):

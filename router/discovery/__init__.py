@@ -4,11 +4,13 @@ A static list, registrations in Redis (a registration whose TTL lapses leaves) a
 whose addresses are the replicas (a Kubernetes headless service), and the ready pods a Kubernetes
 label selector matches, watched through the API.  Any may be combined; the fleet
 merges their listings every health interval.  A source that fails to answer keeps its last
-answer, so a Redis or DNS blip never empties the fleet.
+answer, so a Redis or DNS blip never empties the fleet.  ``event_endpoints`` says where each
+replica's KV events are, whichever source found it.
 """
 
 from .base import DiscoverySource, Listing, Source, normalize_url
 from .dns import DnsSource, address_url, select_addresses
+from .event_endpoints import EventEndpointResolver, EventEndpoints, ReplicaEntry, entry_url
 from .k8s import K8sSource
 from .metrics import DiscoveryMetrics
 from .redis_source import RedisSource
@@ -18,12 +20,16 @@ __all__ = [
     "DiscoveryMetrics",
     "DiscoverySource",
     "DnsSource",
+    "EventEndpointResolver",
+    "EventEndpoints",
     "K8sSource",
     "Listing",
     "RedisSource",
+    "ReplicaEntry",
     "Source",
     "StaticSource",
     "address_url",
+    "entry_url",
     "normalize_url",
     "select_addresses",
 ]

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from .translate import SKIP_REASONS
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 # from a millisecond (same host) to seconds (a stalled index or a skewed clock)
+KV_EVENTS_STATES = ("off", "pending", "following", "silent")  # router/fleet.py's KVEventsState
 LAG_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -65,4 +70,25 @@ class ReplicaSeries:
         self.lag = m.lag.labels(replica)
 
 
-__all__ = ["EVENT_TYPES", "KVEventMetrics", "LAG_BUCKETS", "ReplicaSeries"]
+class KVEventsStateCollector(Collector):
+    """``kvroute_replica_kv_events_state{replica, state}``: 1 for each replica's current state, 0
+    for the others, read from ``source`` (replica, state) at every scrape, so a replica that left
+    leaves no series behind."""
+
+    def __init__(self, source: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvroute_replica_kv_events_state",
+            "whether the router follows the replica's KV events: off (none), pending (nothing heard yet), "
+            "following, silent (nothing within the bound: routed on predictions)",
+            labels=["replica", "state"],
+        )
+        for replica, current in self._source():
+            for state in KV_EVENTS_STATES:
+                family.add_metric([replica, state], 1.0 if state == current else 0.0)
+        yield family
+
+
+__all__ = ["EVENT_TYPES", "KV_EVENTS_STATES", "KVEventMetrics", "KVEventsStateCollector", "LAG_BUCKETS", "ReplicaSeries"]

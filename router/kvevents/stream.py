@@ -23,6 +23,9 @@ Sequence rules (``seq`` counts from 0 in each publisher process):
   count as ``checks``, not replays, unless they find something.
 - a reconnection of the SUB socket (the publisher went away and came back) is checked the same
   way as a gap: the publisher may be a new process whose seq happens to continue ours.
+- an endpoint nobody publishes on (found by convention, say): ``liveness.py`` calls the stream
+  silent after a while; ZMQ keeps retrying the connection with backoff, and a replay endpoint that
+  does not answer is logged once until it does.
 
 The pieces: ``sequence.py`` tells what a batch is (apply, applied, gap, changed), ``replay.py``
 fetches a replica's buffered batches, ``index_writer.py`` coalesces and writes what the batches
@@ -49,6 +52,7 @@ from zmq.utils.monitor import parse_monitor_message
 from router.index.client import IndexClient
 
 from .index_writer import IndexWriter
+from .liveness import EventsLiveness, HeardState
 from .metrics import KVEventMetrics
 from .replay import ReplayError, replay_batches
 from .sequence import BatchSequence
@@ -60,6 +64,7 @@ log = logging.getLogger("kvroute.kvevents")
 RCV_HWM = 100_000  # live batches ZMQ may queue while a replay or a slow index holds us up
 INDEX_RETRY_S = 1.0  # also the longest poll: a resync the index client asks for waits at most this
 CRASH_BACKOFF_S = 1.0
+RECONNECT_IVL_MAX_MS = 5000  # ZMQ doubles its 100 ms reconnect interval up to this while nobody listens
 _digest = xxhash.xxh3_64_intdigest
 
 ReplayOutcome = Literal["ok", "lost", "restarted", "failed"]
@@ -81,6 +86,7 @@ class StreamStatus:
     checks: int  # settle and idle checks against the replay endpoint (replays only if they found batches)
     reconnects: int
     synced: bool  # history replayed and the first connection settled (always True without a replay endpoint)
+    heard: HeardState  # pending, following (a batch or replay answer came), silent (nothing in the bound)
     connected: bool
     index_ok: bool
     mapped_blocks: int  # engine hashes the translator knows
@@ -106,6 +112,9 @@ class ReplicaStream:
         max_chunk: int,
         settle_s: float,
         idle_check_s: float,
+        topic: str = "",
+        silent_after_s: float = 10.0,
+        on_heard: Callable[[HeardState], None] = lambda state: None,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -122,6 +131,9 @@ class ReplicaStream:
         self._max_chunk = max_chunk
         self._settle_s = settle_s
         self._idle_check_s = idle_check_s
+        self._topic = topic.encode()
+        self.liveness = EventsLiveness(name, endpoint, silent_after_s, on_heard)
+        self._replay_failing = False  # its last replay failed (logged once until one succeeds)
         self.translator = ChainTranslator(model, capacity_blocks)
         self._decoder = BatchDecoder()
         self._sub: zmq.asyncio.Socket | None = None
@@ -147,7 +159,8 @@ class ReplicaStream:
         return StreamStatus(
             replica=self.name, endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, model=self.model,
             last_seq=self.last_seq, batches_applied=self.writer.batches_applied, restarts=self.restarts, gaps=self.gaps,
-            replays=self.replays, checks=self.checks, reconnects=self.reconnects, synced=self.synced, connected=self.connected,
+            replays=self.replays, checks=self.checks, reconnects=self.reconnects, synced=self.synced,
+            heard=self.liveness.state, connected=self.connected,
             index_ok=self.writer.ok, mapped_blocks=len(self.translator), last_lag_s=self.writer.last_lag_s,
         )
 
@@ -182,6 +195,7 @@ class ReplicaStream:
                     await self._resync_after_index_failure()
                 if self._check_at is not None and time.monotonic() >= self._check_at:
                     await self._check()
+                self.liveness.check()
         finally:
             self._close()
 
@@ -201,7 +215,8 @@ class ReplicaStream:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, RCV_HWM)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: vLLM's is configurable and we do not know it
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)  # a prefix: b"" (vLLM's default topic) takes every topic
         kinds = zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if self.bind else zmq.EVENT_CONNECTED)
         monitor = sub.get_monitor_socket(kinds)
         try:
@@ -243,6 +258,7 @@ class ReplicaStream:
             if event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self._was_disconnected = True
+                self.liveness.lost_contact()
                 self._on_progress()
             elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                 self.connected = True
@@ -271,6 +287,7 @@ class ReplicaStream:
                 log.warning("replica %s: not a KV-event message: %s", self.name, exc)
                 self._metrics.skip("bad_frame")
                 continue
+            self.liveness.heard()
             await self._live(seq, payload)
         await self._flush()
         if self.replay_endpoint and not self._settling:
@@ -301,9 +318,7 @@ class ReplicaStream:
         self.sequence.forget_position()  # apply the whole history, whatever was applied before
         outcome = await self._replay(0, verify=None, drop_first=True)
         if outcome == "failed":
-            log.warning("replica %s: no answer from its replay endpoint %s; following live events only",
-                        self.name, self.replay_endpoint)
-            return
+            return  # following live events only; a reconnection tries again
         self._contacted = True
         if self.sequence.next is None:
             self.sequence.next = 0  # nothing published yet: the first batch will be seq 0
@@ -411,6 +426,7 @@ class ReplicaStream:
                 async for seq, payload in batches:
                     if first:
                         first = False
+                        self._replay_answered()
                         if verify is not None and seq == verify[0] and _digest(payload) != verify[1]:
                             return "restarted"  # something else under our last seq
                         if seq > start:
@@ -426,15 +442,27 @@ class ReplicaStream:
                         await asyncio.sleep(0)  # a long history must not starve the router's requests
                         since_flush = 0
             if first:  # nothing buffered from ``start`` on
+                self._replay_answered()
                 if verify is not None:
                     return "restarted"  # not even our last seq: another process
                 if drop_first:
                     self.writer.add("drop", [])
         except ReplayError as exc:
-            log.warning("replica %s: replay from seq %d failed: %r", self.name, start, exc)
+            # logged once until the endpoint answers: one that never does (vLLM's default has none)
+            # must not fill the log at every reconnection
+            log.log(logging.DEBUG if self._replay_failing else logging.WARNING,
+                    "replica %s: replay from seq %d at %s failed (%r); following live events only until it answers",
+                    self.name, start, self.replay_endpoint, exc)
+            self._replay_failing = True
             outcome = "failed"
         await self._flush()
         return outcome
+
+    def _replay_answered(self) -> None:
+        if self._replay_failing:
+            log.info("replica %s: its replay endpoint %s answers", self.name, self.replay_endpoint)
+        self._replay_failing = False
+        self.liveness.heard()
 
     def _count_replay(self) -> None:
         self.replays += 1

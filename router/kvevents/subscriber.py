@@ -3,7 +3,9 @@
 ``KVEventSubscriber(index, block_size_for=fleet.block_size, registry=metrics.registry)``;
 ``await start()``; ``watch(name, endpoint, replay_endpoint, model)`` per replica (or
 ``fleet.subscribe(subscriber.on_fleet_event)``, which watches a replica with event endpoints
-once it is up and stops when it goes down or leaves); ``await stop()``.
+once it is up and stops when it goes down or leaves); ``await stop()``.  ``on_state(replica,
+state)`` hears whether each followed replica's events come ("pending", "following", "silent":
+router/kvevents/liveness.py), which the fleet turns into the index's event mode.
 
 Several routers sharing one Redis index each subscribe to every replica and apply the same
 events: every write is idempotent (``confirm`` sets state and bumps the LRU stamp, ``remove``
@@ -33,6 +35,7 @@ from router.fleet import card_parent
 from router.index.base import PrefixIndex
 from router.index.client import IndexClient, as_client
 
+from .liveness import HeardState
 from .metrics import KVEventMetrics
 from .stream import ReplicaStream, StreamStatus
 
@@ -49,6 +52,7 @@ DEFAULT_SETTLE_S = 0.25
 # how long a stream stays quiet after a live batch before asking whether it missed the last one
 DEFAULT_IDLE_CHECK_S = 5.0
 DEFAULT_MAX_CHUNK = 512
+DEFAULT_SILENT_AFTER_S = 10.0
 
 
 def base_model(replica: Replica) -> str | None:
@@ -89,6 +93,9 @@ class KVEventSubscriber:
         settle_s: float = DEFAULT_SETTLE_S,
         idle_check_s: float = DEFAULT_IDLE_CHECK_S,
         context: zmq.asyncio.Context | None = None,
+        topic: str = "",  # the subscription's topic prefix ("": every topic)
+        silent_after_s: float = DEFAULT_SILENT_AFTER_S,
+        on_state: Callable[[str, HeardState], None] | None = None,
     ) -> None:
         self.index = as_client(index)
         self.index.on_rebuild(self.resync_all)
@@ -100,6 +107,9 @@ class KVEventSubscriber:
         self.max_chunk = max_chunk
         self.settle_s = settle_s
         self.idle_check_s = idle_check_s
+        self.topic = topic
+        self.silent_after_s = silent_after_s
+        self._on_state = on_state
         self._ctx = context or zmq.asyncio.Context.instance()
         self._streams: dict[str, ReplicaStream] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -149,7 +159,7 @@ class KVEventSubscriber:
             return
         if current is not None:
             self._cancel(replica)
-        self._streams[replica] = ReplicaStream(
+        stream = self._streams[replica] = ReplicaStream(
             name=replica,
             endpoint=endpoint,
             replay_endpoint=replay_endpoint or None,
@@ -165,7 +175,11 @@ class KVEventSubscriber:
             max_chunk=self.max_chunk,
             settle_s=self.settle_s,
             idle_check_s=self.idle_check_s,
+            topic=self.topic,
+            silent_after_s=self.silent_after_s,
+            on_heard=lambda state: self._heard(stream, state),
         )
+        self._heard(stream, stream.liveness.state)
         if self._started:
             self._spawn(replica)
 
@@ -251,6 +265,10 @@ class KVEventSubscriber:
         await self.wait_until(done, timeout)
 
     # -- internals ------------------------------------------------------------------------
+    def _heard(self, stream: ReplicaStream, state: HeardState) -> None:
+        if self._on_state is not None and self._streams.get(stream.name) is stream:  # not a stopped one's
+            self._on_state(stream.name, state)
+
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
