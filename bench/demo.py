@@ -84,6 +84,7 @@ from .demo_fleet import (
     demo_stack,
     fleet_factory,
     make_fleet,
+    replica_entries,
     resets_in_place,
     router_stack,
     running_fleet,
@@ -430,6 +431,8 @@ def pass_details(stack: DemoStack, records: list[RequestRecord], samples: Sample
         "requests_per_replica": list(per_replica.values()),
         "decisions": decisions,
         "router_delivered_tokens": int(total(samples, "kvroute_reuse_delivered_tokens_total", model=MODEL)),
+        # the replicas' KV events the router followed (their endpoints named in its config, no Redis)
+        "kv_events_applied": int(total(samples, "kvroute_kv_events_applied_total")),
     }
 
 
@@ -523,7 +526,7 @@ async def _compare(args: argparse.Namespace) -> int:
             "rate), closed loop with think time between turns",
             "profile": args.profile if args.engine == "emulated" else None,  # real engines have none
             "seed": args.seed,
-            "kv_events": False,
+            "kv_events": any(d["kv_events_applied"] for d in details.values()),
             "too_long_requests": 0,
             "wall_s": round(wall, 2),
             "engine": args.engine,
@@ -566,8 +569,9 @@ async def _serve(args: argparse.Namespace, fleet: Any, stop: asyncio.Event) -> i
     async with demo_stack(args.policy, fleet, port=args.port, policy_options=options) as stack:
         print(stack.url, flush=True)  # first line: scripts and tests read it
         print(f"metrics: {stack.url}/metrics", flush=True)
-        for url in fleet.urls:
-            print(f"replica: {url}  (metrics: {url}/metrics)", flush=True)
+        for entry in replica_entries(fleet):
+            url, events = (entry["url"], f", KV events: {entry['events_endpoint']}") if isinstance(entry, dict) else (entry, "")
+            print(f"replica: {url}  (metrics: {url}/metrics{events})", flush=True)
         print(f"{fleet.describe()}; router policy {args.policy}, model {MODEL!r}; Ctrl-C stops", file=sys.stderr, flush=True)
         await stop.wait()
         print("stopping", file=sys.stderr, flush=True)

@@ -8,11 +8,15 @@ up or slowed down by ``time_scale``).  `--engine vllm` (`make demo-vllm`) plugs 
 (replica/vllm_fleet.py), which ignore the emulated options.  Building a fleet starts nothing:
 ``start()`` does; a start that cannot succeed raises `FleetError` (or `OSError`), saying why.
 
-Two optional parts of the shape: ``tokenizer_dir``, the tokenizer the replicas use (the router
-must cut prompts into the very same tokens; default: the tiny tokenizer), and
-``async reset_caches()``, which empties the replicas' prefix caches in place: a fleet that has
-it is started once and reset before every pass (`running_fleet`, `router_stack`), instead of
-started afresh per pass (`demo_stack`).
+Optional parts of the shape: ``tokenizer_dir``, the tokenizer the replicas use (the router
+must cut prompts into the very same tokens; default: the tiny tokenizer); ``async
+reset_caches()``, which empties the replicas' prefix caches in place: a fleet that has it is
+started once and reset before every pass (`running_fleet`, `router_stack`), instead of started
+afresh per pass (`demo_stack`); and ``entries``, the replicas as the router's config names them
+with their KV-event endpoints (``{url, events_endpoint, replay_endpoint}``), which the router
+then follows as it would any vLLM replica's.  The emulated replicas all live on 127.0.0.1, where
+the events-port convention cannot tell them apart: each publishes on free ports of its own, and
+the router is told which (no Redis involved).
 
 `demo_stack` starts the replicas first and the router after them (its first health round then
 finds them up), and stops everything it started, in reverse order, whatever happens in between:
@@ -77,6 +81,7 @@ class EmulatedFleet:
         self.tokenizer_dir = tokenizer_dir
         self.max_model_len = max_model_len
         self.urls: list[str] = []
+        self.entries: list[dict[str, str]] = []  # with their KV-event endpoints, once started
         self._replicas: list[Any] = []
 
     def describe(self) -> str:
@@ -92,6 +97,7 @@ class EmulatedFleet:
         config = ReplicaConfig(
             model=self.model, host="127.0.0.1", port=0, tokenizer_dir=str(self.tokenizer_dir),
             profile=self.profile, time_scale=self.time_scale, max_model_len=self.max_model_len,
+            events_endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",  # free ports, bound
         )
         try:
             for _ in range(self.count):
@@ -102,6 +108,10 @@ class EmulatedFleet:
             await self.stop()
             raise
         self.urls = [r.url for r in self._replicas]
+        self.entries = [
+            {"url": r.url, "events_endpoint": r.events_endpoint, "replay_endpoint": r.replay_endpoint}
+            for r in self._replicas
+        ]
 
     async def stop(self) -> None:
         replicas, self._replicas = self._replicas, []
@@ -135,6 +145,16 @@ def resets_in_place(fleet: ReplicaFleet) -> bool:
     return callable(getattr(fleet, "reset_caches", None))
 
 
+def replica_entries(fleet: ReplicaFleet) -> list[str | dict[str, str]]:
+    """What the router is told of the fleet's replicas: their KV-event endpoints too, when the
+    fleet says where they are (started fleets only); else their URLs."""
+    return list(getattr(fleet, "entries", None) or fleet.urls)
+
+
+def publishes_events(fleet: ReplicaFleet) -> bool:
+    return bool(getattr(fleet, "entries", None))
+
+
 def tokenizer_of(fleet: ReplicaFleet) -> Path:
     """The tokenizer the fleet's replicas use, which the router must use too (known once started)."""
     return Path(getattr(fleet, "tokenizer_dir", None) or TOKENIZER_DIR)
@@ -152,18 +172,19 @@ class DemoStack:
 
 def router_settings(
     policy: str,
-    replica_urls: list[str],
+    replicas: list[str | dict[str, str]],
     *,
     port: int = 0,
     policy_options: Mapping[str, Any] | None = None,
     tokenizer_dir: Path = TOKENIZER_DIR,
 ) -> RouterSettings:
     """The demo router: loopback, the given policy, an in-memory index (so every pass starts cold),
-    no client keys; the replicas' tokenizer (exact block hashes)."""
+    no client keys; the replicas' tokenizer (exact block hashes); their KV events where
+    ``replicas`` names the endpoints (nothing by convention: the demo knows where they are)."""
     return RouterSettings(
         host="127.0.0.1",
         port=port,
-        replicas=replica_urls,
+        replicas=replicas,
         tokenizer=str(tokenizer_dir),
         policy=policy,
         policy_options=dict(policy_options or {}),
@@ -174,7 +195,8 @@ def router_settings(
         health_requires_replica=True,  # --serve: /health is 200 only once a replica can answer
         # Load scraped twice a second (runs are short); health probes patient, since the replicas
         # share this process's event loop: a busy machine delays their answers, it does not kill them.
-        fleet={"health_interval_s": 2.0, "health_timeout_s": 5.0, "metrics_interval_s": 0.5, "metrics_timeout_s": 5.0},
+        fleet={"health_interval_s": 2.0, "health_timeout_s": 5.0, "metrics_interval_s": 0.5, "metrics_timeout_s": 5.0,
+               "events_port": 0},
     )
 
 
@@ -199,7 +221,7 @@ async def router_stack(
     ready_timeout_s: float = 30.0,
 ) -> AsyncIterator[DemoStack]:
     """A fresh router in front of a started fleet; yields once the router's /ready answers 200."""
-    settings = router_settings(policy, fleet.urls, port=port, policy_options=policy_options,
+    settings = router_settings(policy, replica_entries(fleet), port=port, policy_options=policy_options,
                                tokenizer_dir=tokenizer_of(fleet))
     router = RouterApp(settings)
     await router.start()

@@ -71,7 +71,7 @@ def test_demo_json_has_the_sim_keys_and_counts_every_request(capsys):
     doc = json.loads(lines[0])
 
     sim_top, sim_policy = sim_json_keys()
-    assert sim_top <= set(doc)
+    assert sim_top <= set(doc) and doc["kv_events"] is True
     limit = doc["limit"]  # emulated replicas: their profile gives the physical limit
     assert set(limit) == set(LIMIT_KEYS) and 0 < limit["ttft_p50_s"] <= limit["ttft_p90_s"] <= limit["ttft_p99_s"]
     assert set(doc["policies"]) == {"round_robin", "cost_model"}
@@ -90,6 +90,7 @@ def test_demo_json_has_the_sim_keys_and_counts_every_request(capsys):
         assert sum(details["requests_per_replica"]) == sent  # the router's count matches the client's
         # delivered as the client summed cached_tokens == as the router's counter booked them
         assert details["router_delivered_tokens"] == round(m["reuse_delivered"] * details["prompt_tokens"])
+        assert details["kv_events_applied"] > 0, name  # the router follows the replicas' events (no Redis)
     # Multi-turn sessions re-send their history: an earlier prompt always shares a prefix.
     assert doc["policies"]["cost_model"]["reuse_available"] > 0.5
     # Same seed, same text, cold fleets: both passes see the same prompts.
@@ -171,6 +172,23 @@ async def _line(stream: asyncio.StreamReader, timeout: float = 30.0) -> str:
     return (await asyncio.wait_for(stream.readline(), timeout)).decode().strip()
 
 
+async def kv_events_applied(url: str, timeout_s: float = 10.0) -> float:
+    """The router's kvroute_kv_events_applied_total, once above 0 (or 0 after ``timeout_s``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    applied = 0.0
+    async with aiohttp.ClientSession() as http:
+        for _ in range(int(timeout_s / 0.1)):
+            async with http.get(url + "/metrics") as resp:
+                text = await resp.text()
+            applied = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                          if s.name == "kvroute_kv_events_applied_total")
+            if applied:
+                break
+            await asyncio.sleep(0.1)
+    return applied
+
+
 def _port_refuses(url: str) -> bool:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.socket() as s:
@@ -189,7 +207,8 @@ async def test_serve_prints_its_url_first_serves_openai_and_stops_cleanly_on_sig
             line = await _line(proc.stdout)
             assert line.startswith("replica: http://"), line
             replica_urls.append(line.split()[1])
-            assert line.endswith(f"(metrics: {replica_urls[-1]}/metrics)")
+            # each publishes KV events on ports of its own, which the router is told (no Redis)
+            assert f"(metrics: {replica_urls[-1]}/metrics, KV events: tcp://127.0.0.1:" in line, line
 
         async with aiohttp.ClientSession() as http:
             for path in ("/ready", "/health"):
@@ -205,7 +224,7 @@ async def test_serve_prints_its_url_first_serves_openai_and_stops_cleanly_on_sig
             models = await client.models.list()
             assert [m.id for m in models.data] == ["demo"]
             chat = await client.chat.completions.create(
-                model="demo", messages=[{"role": "user", "content": "Hello there, router."}], max_tokens=4
+                model="demo", messages=[{"role": "user", "content": "Hello there, router. " * 20}], max_tokens=4
             )
             assert chat.choices[0].message.content and chat.usage.completion_tokens == 4
             stream = await client.chat.completions.create(
@@ -216,6 +235,8 @@ async def test_serve_prints_its_url_first_serves_openai_and_stops_cleanly_on_sig
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
         finally:
             await client.close()
+        assert await kv_events_applied(url) > 0  # the replicas' BlockStored events reached the index
+
 
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 20) == 0

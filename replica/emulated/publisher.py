@@ -16,7 +16,10 @@ batch with ``seq >= start_seq``, then the end marker ``[identity, b"", b"", seq=
 
 Endpoints follow vLLM's rule: an address with a wildcard (``tcp://*:5557``, ``tcp://127.0.0.1:*``),
 ``ipc://`` or ``inproc://`` is bound; a specific host is connected to (the subscriber binds one
-socket that many replicas connect to).  The replay endpoint is always bound.
+socket that many replicas connect to).  The replay endpoint is always bound.  ``bind_host``
+narrows a ``tcp://*:P`` bind to one address, as a pod's own IP is: replicas on 127.0.0.2 and
+127.0.0.3 then both publish on port 5557, which routers find by convention (router/discovery/
+event_endpoints.py).
 """
 
 from __future__ import annotations
@@ -100,9 +103,11 @@ class KVEventPublisher:
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         hwm: int = DEFAULT_HWM,
         data_parallel_rank: int = 0,
+        bind_host: str | None = None,
     ) -> None:
-        self._requested_endpoint = endpoint
-        self._requested_replay = replay_endpoint
+        self._binds = binds(endpoint)  # by the endpoint asked for, before bind_host narrows it
+        self._requested_endpoint = on_host(endpoint, bind_host) or endpoint
+        self._requested_replay = on_host(replay_endpoint, bind_host)
         self.topic = topic
         self._topic_bytes = topic.encode()
         self._hwm = hwm
@@ -127,7 +132,7 @@ class KVEventPublisher:
         pub.setsockopt(zmq.SNDHWM, self._hwm)
         pub.setsockopt(zmq.LINGER, 0)
         try:
-            if binds(self._requested_endpoint):
+            if self._binds:
                 pub.bind(self._requested_endpoint)
                 self.endpoint = _public(pub.getsockopt_string(zmq.LAST_ENDPOINT), self._requested_endpoint)
             else:
@@ -201,6 +206,13 @@ class KVEventPublisher:
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None
+
+
+def on_host(endpoint: str | None, host: str | None) -> str | None:
+    """``tcp://*:P`` bound on ``host`` only (``tcp://HOST:P``); anything else, or no specific host, as it is."""
+    if not endpoint or not host or host in ("0.0.0.0", "::", "*", "") or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    return f"tcp://[{host}]:{endpoint[8:]}" if ":" in host else f"tcp://{host}:{endpoint[8:]}"
 
 
 def _public(bound: str, requested: str) -> str:

@@ -54,7 +54,7 @@ class ReplicaConfig:
     block_size: int | None = None  # None: the profile's
     num_gpu_blocks: int | None = None  # None: the profile's
     max_model_len: int | None = None  # None: min(32768, KV capacity in tokens)
-    events_endpoint: str | None = None  # e.g. tcp://*:5557 (bind) or tcp://router:5557 (connect)
+    events_endpoint: str | None = None  # e.g. tcp://*:5557 (bind, on ``host``) or tcp://router:5557 (connect)
     replay_endpoint: str | None = None
     events_topic: str = "kv"
     api_key: str | None = None
@@ -89,7 +89,9 @@ class EmulatedReplica:
         self.tokenizer = tokenizer or Tokenizer.load(config.tokenizer_dir or default_tokenizer_dir())
         self.publisher: KVEventPublisher | None = None
         if config.events_endpoint:
-            self.publisher = KVEventPublisher(config.events_endpoint, config.replay_endpoint, topic=config.events_topic)
+            # a wildcard bind listens where the HTTP server does: on a specific --host, as in a pod
+            self.publisher = KVEventPublisher(config.events_endpoint, config.replay_endpoint, topic=config.events_topic,
+                                              bind_host=config.host)
         wire = EventWire(self.publisher, self.num_gpu_blocks)
         self.engine = EmulatedEngine(self.profile, on_kv_event=wire.on_event)
         self.started_at = time.time()
