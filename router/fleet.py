@@ -525,12 +525,13 @@ class Fleet:
             await self._remove(self._replicas[name])
 
     def _set_endpoints(self, r: Replica, ep: EventEndpoints) -> bool:
-        """True if they changed; the KV-event state then starts over."""
-        if (ep.events, ep.replay, ep.origin) == (r.events_endpoint, r.replay_endpoint, r.events_origin):
+        """True if the endpoints moved: the KV-event state then starts over.  Only a new origin (a
+        registration confirming the convention, say) keeps the stream and its state."""
+        r.events_origin = ep.origin
+        if (ep.events, ep.replay) == (r.events_endpoint, r.replay_endpoint):
             return False
-        if ep.events != r.events_endpoint:
-            log.info("replica %s: KV events %s", r.name, f"at {ep.events} ({ep.origin})" if ep.events else "none")
-        r.events_endpoint, r.replay_endpoint, r.events_origin = ep.events, ep.replay, ep.origin
+        log.info("replica %s: KV events %s", r.name, f"at {ep.events} ({ep.origin})" if ep.events else "none")
+        r.events_endpoint, r.replay_endpoint = ep.events, ep.replay
         r.kv_events = "pending" if ep.events and self.follows_events else "off"
         return True
 

@@ -315,6 +315,31 @@ async def test_a_redis_registration_wins_over_the_convention(redis_url, redis_pr
             await kept.deregister()
 
 
+async def test_a_registration_naming_the_conventional_endpoints_keeps_the_stream(redis_url, redis_prefix):
+    ports = (free_port(), free_port())
+    async with started(replica("127.0.0.6", f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}")) as (rep,):
+        fleet = {"events_port": ports[0], "replay_port": ports[1], "health_interval_s": 0.2,
+                 "discovery_redis": True, "redis_url": redis_url, "redis_key_prefix": redis_prefix}
+        async with running_router([rep.url], admin_token=ADMIN, fleet=fleet) as app:
+            await until(lambda: _states_are(app, {rep.url: "following"}), what="following by convention")
+            seen: list[str] = []
+            app.fleet.subscribe(lambda event, r: seen.append(event))
+            record = ReplicaRecord(url=rep.url, model=MODEL, events_endpoint=rep.events_endpoint,
+                                   replay_endpoint=rep.replay_endpoint, engine="emulated")
+            kept = KeptRegistration(redis_url, redis_prefix, record, ttl=30.0)
+            await kept.start()
+            try:
+                await until(lambda: _origin_is(app, rep.url, "registered"), what="the registration seen")
+                assert (await states(app))[rep.url] == "following"  # not back to pending for good
+                assert "changed" not in seen  # the same endpoints: the stream goes on
+            finally:
+                await kept.deregister()
+
+
+async def _origin_is(app: RouterApp, name: str, origin: str) -> bool:
+    return (await admin_replicas(app))[name]["events_origin"] == origin
+
+
 # -- settings and the resolution rule ---------------------------------------------------------
 
 
