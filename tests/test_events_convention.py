@@ -315,6 +315,16 @@ async def test_a_redis_registration_wins_over_the_convention(redis_url, redis_pr
             await kept.deregister()
 
 
+async def test_a_replica_found_by_dns_is_followed_by_convention():
+    ports = (free_port(), free_port())
+    async with started(replica(HOSTS[0], f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}")) as (rep,):
+        fleet = {"dns_name": f"{HOSTS[0]}:{rep.port}", "events_port": ports[0], "replay_port": ports[1]}
+        async with running_router([], admin_token=ADMIN, fleet=fleet) as app:
+            await until(lambda: _states_are(app, {rep.url: "following"}), what="following")
+            st = (await admin_replicas(app))[rep.url]
+            assert (st["sources"], st["events_origin"]) == (["dns"], "convention")
+
+
 async def test_a_registration_naming_the_conventional_endpoints_keeps_the_stream(redis_url, redis_prefix):
     ports = (free_port(), free_port())
     async with started(replica("127.0.0.6", f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}")) as (rep,):
