@@ -297,6 +297,20 @@ async def test_the_convention_off_and_a_replica_declared_without_events():
             assert state_gauge(await scrape(app.url), a.url)["off"] == 1.0
 
 
+async def test_a_router_told_not_to_follow_events_routes_every_replica_on_predictions():
+    ports = (free_port(), free_port())
+    async with started(replica(HOSTS[1], f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}")) as (rep,):
+        fleet = {"events_port": ports[0], "replay_port": ports[1]}
+        async with running_router([rep.url], admin_token=ADMIN, fleet=fleet, kv_events=False,
+                                  predicted_ttl_s=0.3) as app:
+            st = (await admin_replicas(app))[rep.url]
+            # the endpoint is known (the convention), but nobody follows it: off, predictions kept
+            assert (st["kv_events"], st["events_origin"]) == ("off", "convention")
+            await app.index.record_prediction(rep.url, [301, 302])
+            await asyncio.sleep(0.6)
+            assert await app.index.lookup([301, 302]) == {rep.url: 2}
+
+
 async def test_a_redis_registration_wins_over_the_convention(redis_url, redis_prefix):
     host = "127.0.0.5"
     async with started(replica(host, f"tcp://*:{free_port()}", f"tcp://*:{free_port()}")) as (rep,):
