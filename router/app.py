@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -60,6 +60,10 @@ from .routing import Router
 from .server import ClientAppRunner, ClientLimits, announce_close, count_timeouts
 from .tokens import ClientTemplates, TokenizerRegistry
 from .tokens.memory import keep_large_buffers_mapped
+from .worker_metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from .workers import WorkerRole
 
 log = logging.getLogger("kvroute.router")
 
@@ -106,9 +110,11 @@ def _matches_any(token: str | None, secrets: Iterable[str]) -> bool:
 
 
 class RouterApp:
-    def __init__(self, settings: RouterSettings, *, index: PrefixIndex | None = None):
+    def __init__(self, settings: RouterSettings, *, index: PrefixIndex | None = None, worker: WorkerRole | None = None):
         self.settings = settings
         self._given_index = index
+        self._worker = worker  # one of --workers N (router/workers.py), or None: the only process
+        self.worker_metrics: WorkerMetrics | None = None
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -151,11 +157,15 @@ class RouterApp:
         )
         self.fleet.subscribe(self._on_fleet_event)
         self.metrics.bind_replicas(self._replica_gauges)
-        self.metrics.registry.register(
+        self.metrics.register_live(
             KVEventsStateCollector(lambda: ((r.name, r.kv_events) for r in self.fleet.replicas()))
         )
-        # the engines' own prefix-cache counters, next to the router's delivered figure
-        EngineCacheCounters(self.metrics.registry).attach(self.fleet)
+        # the engines' own prefix-cache counters, next to the router's delivered figure (counted by
+        # one worker of several: each would count the same growth, and their counters add up)
+        if self._worker is None or self._worker.index == 0:
+            EngineCacheCounters(self.metrics.registry).attach(self.fleet)
+        if self._worker is not None:
+            self.worker_metrics = WorkerMetrics(self.metrics.publish, restarted=self._worker.restarted)
         self.reuse = ReuseTracker(window_blocks=s.reuse_window_blocks)
         self.responses = ResponseMemory(int(s.responses_memory_mb * 2**20))
         self.router = Router(
@@ -213,8 +223,11 @@ class RouterApp:
                 app, limits=limits, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
             )
             await self._runner.setup()
-            site = web.TCPSite(self._runner, s.host, s.port, backlog=1024)
+            # several workers listen on one port: the kernel spreads connections over them
+            site = web.TCPSite(self._runner, s.host, s.port, backlog=1024, reuse_port=self._worker is not None or None)
             await site.start()
+            if self.worker_metrics is not None:
+                self.worker_metrics.start()
         except BaseException:
             await self.stop()  # a port in use, a fleet that cannot start: leave nothing open
             raise
@@ -268,6 +281,8 @@ class RouterApp:
         if not self._started:
             return
         self._started = False
+        if self.worker_metrics is not None:
+            await self.worker_metrics.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -540,7 +555,9 @@ class RouterApp:
             count = await self.index_client.entry_count(r.name)  # None: failed, counted
             if count is not None:
                 self.metrics.index_entries.labels(r.name).set(count)
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        self.metrics.publish()  # several workers: this one's live values, fresh (the others' are <= 1 s old)
+        body = self.metrics.render({r.name for r in self.fleet.replicas()})
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     # -- admin --------------------------------------------------------------------------------
     async def _admin_replicas(self, request: web.Request) -> web.Response:
@@ -570,20 +587,24 @@ class RouterApp:
         return web.json_response({"replica": name, "draining": False})
 
 
-async def serve(settings: RouterSettings) -> None:
-    """Run until SIGTERM/SIGINT; then drain and stop."""
-    app = RouterApp(settings)
+async def serve(settings: RouterSettings, *, worker: WorkerRole | None = None) -> None:
+    """Run until SIGTERM/SIGINT (or, a worker, its supervisor's end); then drain and stop."""
+    app = RouterApp(settings, worker=worker)
     await app.start()
     # Everything alive now (modules, tokenizers, settings) lives as long as the process: keep it out
     # of the collector's generations, and collect the young one less often (requests allocate a lot).
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
-    print(f"kvroute router listening on {app.url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if worker is None:
+        print(f"kvroute router listening on {app.url}", flush=True)
+    else:
+        worker.listening(app.url)  # the supervisor announces once all workers listen
+        worker.on_orphaned(stop.set)
     try:
         await stop.wait()
         log.info("signal received: draining (%d in flight)", app.in_flight)
@@ -603,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvroute router: invalid settings: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    if settings.workers > 1:
+        from .workers import supervise
+
+        return supervise(settings)
     import uvloop
 
     try:

@@ -25,6 +25,7 @@ are the field names, nested tables for ``fleet``, ``tokenizers`` and ``policy_op
 from __future__ import annotations
 
 import contextvars
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -93,6 +94,10 @@ class RouterSettings(BaseSettings):
     # -- listening -------------------------------------------------------------------------
     host: str = Field("0.0.0.0", description="address to listen on", json_schema_extra=_hint("ADDRESS"))
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    workers: int = Field(
+        1, ge=1, description="router processes sharing the port (SO_REUSEPORT), each a whole router; 'auto': one "
+        "per usable core"
+    )
 
     # -- fleet -----------------------------------------------------------------------------
     replicas: Annotated[list[str | ReplicaEntry], NoDecode] = Field(
@@ -224,11 +229,24 @@ class RouterSettings(BaseSettings):
     def _split_keys(cls, value: Any) -> Any:
         return _comma_list(value)
 
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _auto_workers(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return len(os.sched_getaffinity(0))  # the cores this process may run on (cgroup cpusets too)
+        return value
+
     @field_validator("admin_token", "tenant_salt_secret", "tokenizer", "redis_url", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         # `KVROUTE_ADMIN_TOKEN=` (an empty variable, as compose files pass them) means "not set"
         return None if isinstance(value, str) and not value.strip() else value
+
+    @model_validator(mode="after")
+    def _one_port(self) -> RouterSettings:
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("port 0 with several workers: each would listen on a different free port; name one")
+        return self
 
     @model_validator(mode="after")
     def _merge_shorthands(self) -> RouterSettings:
@@ -285,8 +303,6 @@ flags win over the environment, which wins over the file."""
 
 def load_settings(argv: Sequence[str] | None = None, **overrides: Any) -> RouterSettings:
     """Settings from flags (``argv``; None reads no flags), env, the config file and ``overrides``."""
-    import os
-
     path = _config_path(argv, dict(os.environ))
     token = _config_file.set(path)
     try:

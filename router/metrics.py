@@ -9,7 +9,7 @@ Per-replica gauges are read from the fleet and the load tracker when scraped, ne
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .index.metrics import IndexMetrics
+from .worker_metrics import MULTIPROCESS, PublishedCollector, remove_series, render_workers
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER_CLIENT = "other"
@@ -45,29 +46,39 @@ class ClientLabels:
         return OTHER_CLIENT
 
 
+# Per-replica gauges read from live state: (name, help, multiprocess mode).  The mode says how
+# ``--workers N`` makes one value of the workers' (router/worker_metrics.py), as the dashboards
+# aggregate several routers.
+REPLICA_GAUGES = (
+    # 1 if any worker finds it healthy (dashboards: max over routers)
+    ("kvroute_replica_healthy", "1 if the replica passes health checks", "livemax"),
+    # the worst state a worker's breaker is in
+    ("kvroute_replica_breaker_state", "circuit breaker: 0 closed, 1 half-open, 2 open", "livemax"),
+    # every worker's requests and queued tokens are at the replica together
+    ("kvroute_replica_in_flight", "requests the router has in flight there", "livesum"),
+    ("kvroute_replica_queued_prefill_tokens", "uncached prompt tokens sent there, first token pending", "livesum"),
+    # each worker learns its own rate from its own requests: one series per worker (a pid label),
+    # averaged as the dashboards average routers
+    ("kvroute_replica_prefill_rate", "learned prefill rate, tokens/s", "liveall"),
+)
+ReplicaRow = tuple[str, bool, str, int, int, float]  # name, healthy, breaker state, in flight, queued, rate
+
+
 class _ReplicaCollector(Collector):
     """Per-replica gauges, read from live state at scrape time."""
 
-    def __init__(self, source: Callable[[], Iterable[tuple[str, bool, str, int, int, float]]]):
+    multiprocess_modes = {name: mode for name, _, mode in REPLICA_GAUGES}
+
+    def __init__(self, source: Callable[[], Iterable[ReplicaRow]]):
         self._source = source
 
     def collect(self):
-        in_flight = GaugeMetricFamily("kvroute_replica_in_flight", "requests the router has in flight there", labels=["replica"])
-        healthy = GaugeMetricFamily("kvroute_replica_healthy", "1 if the replica passes health checks", labels=["replica"])
-        breaker = GaugeMetricFamily(
-            "kvroute_replica_breaker_state", "circuit breaker: 0 closed, 1 half-open, 2 open", labels=["replica"]
-        )
-        queued = GaugeMetricFamily(
-            "kvroute_replica_queued_prefill_tokens", "uncached prompt tokens sent there, first token pending", labels=["replica"]
-        )
-        rate = GaugeMetricFamily("kvroute_replica_prefill_rate", "learned prefill rate, tokens/s", labels=["replica"])
+        families = [GaugeMetricFamily(name, help_, labels=["replica"]) for name, help_, _ in REPLICA_GAUGES]
         for name, is_healthy, breaker_state, flying, queued_tokens, prefill_rate in self._source():
-            in_flight.add_metric([name], flying)
-            healthy.add_metric([name], 1.0 if is_healthy else 0.0)
-            breaker.add_metric([name], BREAKER_STATES.get(breaker_state, 2))
-            queued.add_metric([name], queued_tokens)
-            rate.add_metric([name], prefill_rate)
-        yield from (in_flight, healthy, breaker, queued, rate)
+            values = (1.0 if is_healthy else 0.0, BREAKER_STATES.get(breaker_state, 2), flying, queued_tokens, prefill_rate)
+            for family, value in zip(families, values):
+                family.add_metric([name], value)
+        yield from families
 
 
 @dataclass
@@ -127,11 +138,16 @@ class RouterMetrics:
             ["client"],
             registry=r,
         )
-        self.in_flight = Gauge("kvroute_in_flight", "requests the router is proxying", registry=r)
+        self.in_flight = Gauge("kvroute_in_flight", "requests the router is proxying", multiprocess_mode="livesum", registry=r)
         self.upstream_failures = Counter(
             "kvroute_upstream_failures", "upstream failures by replica and stage", ["replica", "stage"], registry=r
         )
-        self.index_entries = Gauge("kvroute_index_entries", "prefix-index entries held per replica", ["replica"], registry=r)
+        # set by the worker a scrape reaches, just before it answers: with Redis every worker reads
+        # the same count, so the latest is right; with the in-memory index it is that worker's
+        self.index_entries = Gauge(
+            "kvroute_index_entries", "prefix-index entries held per replica", ["replica"],
+            multiprocess_mode="livemostrecent", registry=r,
+        )
         self.index = IndexMetrics(r)  # the index client's calls, failures and rebuilds
         # series known from the start
         for reason in reasons:
@@ -141,10 +157,27 @@ class RouterMetrics:
         self._models: dict[str, ModelSeries] = {}
         self._replicas: set[tuple[str, str]] = set()
         self._decisions: dict[str, Any] = {}
+        self._published: list[PublishedCollector] = []
 
-    def bind_replicas(self, source: Callable[[], Iterable[tuple[str, bool, str, int, int, float]]]) -> None:
+    def bind_replicas(self, source: Callable[[], Iterable[ReplicaRow]]) -> None:
         """``source`` yields (name, healthy, breaker state, in flight, queued tokens, prefill rate)."""
-        self.registry.register(_ReplicaCollector(source))
+        self.register_live(_ReplicaCollector(source))
+
+    def register_live(self, collector: Collector) -> None:
+        """A collector of gauges read at scrape time.  In multiprocess mode its values are written
+        to the files by ``publish()`` instead, each family by its rule in ``collector.multiprocess_modes``."""
+        if MULTIPROCESS:
+            self._published.append(PublishedCollector(collector, collector.multiprocess_modes))  # type: ignore[attr-defined]
+        else:
+            self.registry.register(collector)
+
+    def publish(self) -> None:
+        """Multiprocess mode: write the values read at scrape time to the files (a no-op otherwise)."""
+        if not MULTIPROCESS:
+            return
+        for published in self._published:
+            published.publish()
+        self.index.publish()
 
     def model(self, model: str) -> ModelSeries:
         """A model's series, created at zero the first time."""
@@ -183,11 +216,14 @@ class RouterMetrics:
         for metric, position in ((self.requests, 1), (self.upstream_failures, 0), (self.index_entries, 0)):
             # prometheus_client has no public way to list a metric's children
             for labels in [labels for labels in metric._metrics if labels[position] == replica]:
-                metric.remove(*labels)
+                remove_series(metric, *labels)
         self._replicas = {(m, r) for m, r in self._replicas if r != replica}
 
     def hostile(self, client: str) -> None:
         self.cache_hostile.labels(self.client_label(client)).inc()
 
-    def render(self) -> bytes:
+    def render(self, replicas: Collection[str] = ()) -> bytes:
+        """The exposition; in multiprocess mode every worker's, ``replicas`` the fleet's current ones."""
+        if MULTIPROCESS:
+            return render_workers(replicas)
         return generate_latest(self.registry)

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from .fleet import Fleet, FleetEvent, Replica
 from .scrape import ScrapeResult
+from .worker_metrics import remove_series
 
 QUERIES = "vllm:prefix_cache_queries"  # as ScrapeResult.counters names them (no _total)
 HITS = "vllm:prefix_cache_hits"
@@ -103,10 +104,7 @@ class EngineCacheCounters:
         """A replica left: drop its series and its baseline (it may come back as another process)."""
         self._seen.pop(name, None)
         for counter in (self.queries, self.hits):
-            try:
-                counter.remove(name)
-            except KeyError:
-                pass
+            remove_series(counter, name)
 
 
 __all__ = ["EngineCacheCounters"]

@@ -101,7 +101,7 @@ class IndexClient:
         self._skip_until = 0.0  # while failing: calls skip the index until then, but for one probe
         self._stopped = False
         self._refresh_probes = False  # the refresh loop runs: calls that fail never probe
-        self.metrics.write_queue.set_function(self._queue.qsize)
+        self.metrics.watch_write_queue(self._queue.qsize)
         self._latency: dict[str, Any] = {}  # op -> its histogram child, bound once
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _INDEX_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0)
@@ -35,14 +37,29 @@ class IndexMetrics:
             "registered again",
             registry=r,
         )
+        # --workers N (router/worker_metrics.py): the workers' queues add up; the index counts as
+        # available while every worker's calls reach it (dashboards: min over routers)
         self.write_queue = Gauge(
-            "kvroute_index_write_queue", "index writes waiting to be sent (bounded; dropped when full)", registry=r
+            "kvroute_index_write_queue", "index writes waiting to be sent (bounded; dropped when full)",
+            multiprocess_mode="livesum", registry=r,
         )
+        self._write_queue_size: Callable[[], int] | None = None
         self.available = Gauge(
             "kvroute_index_available",
             "1 while the index answers; 0 while calls skip it after failures in a row",
+            multiprocess_mode="livemin",
             registry=r,
         )
         self.available.set(1)
         for op in INDEX_OPS:
             self.errors.labels(op, "timeout")
+
+    def watch_write_queue(self, size: Callable[[], int]) -> None:
+        """``kvroute_index_write_queue`` reads ``size()`` at each scrape (or each ``publish``)."""
+        self._write_queue_size = size
+        self.write_queue.set_function(size)
+
+    def publish(self) -> None:
+        """Multiprocess mode: the queue's size now, written where every worker's scrape reads it."""
+        if self._write_queue_size is not None:
+            self.write_queue.set(self._write_queue_size())

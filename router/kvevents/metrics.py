@@ -75,6 +75,10 @@ class KVEventsStateCollector(Collector):
     for the others, read from ``source`` (replica, state) at every scrape, so a replica that left
     leaves no series behind."""
 
+    # --workers N (router/worker_metrics.py): each worker follows the replica itself; a state any
+    # of them is in is 1 (a worker routing on predictions shows as silent)
+    multiprocess_modes = {"kvroute_replica_kv_events_state": "livemax"}
+
     def __init__(self, source: Callable[[], Iterable[tuple[str, str]]]) -> None:
         self._source = source
 

@@ -1,0 +1,132 @@
+"""One /metrics for a router run as several worker processes (``--workers N``).
+
+prometheus-client's multiprocess mode: the supervisor (router/workers.py) sets
+``PROMETHEUS_MULTIPROC_DIR`` to a directory of its own before it starts the workers, so every
+metric value a worker writes lives in a memory-mapped file there, one file per kind and process.
+Whichever worker a scrape reaches reads them all (``MultiProcessCollector``): counters and
+histograms add up, and each gauge says how its workers' values make one (``multiprocess_mode``,
+chosen where the gauge is defined).  A dead worker's counters stay (totals never go back), its
+``live*`` gauges go (the supervisor's ``mark_process_dead``).  Prometheus sees one target.
+
+What the mode cannot do, and how it is covered here:
+- values computed at scrape time (a collector, ``Gauge.set_function``) never reach the files: each
+  worker writes them every ``PUBLISH_S`` and just before it answers a scrape (``RouterMetrics.publish``);
+- a label set cannot be removed from the files: the series of a replica that left are hidden when
+  rendering instead (``REPLICA_SCOPED``: the ones single-process mode removes or computes live).
+
+Without ``PROMETHEUS_MULTIPROC_DIR`` (``--workers 1``) none of this is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from .aio import cancel_and_wait
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# prometheus-client picks where values live when it is imported: files iff the variable was set
+MULTIPROCESS: bool = bool(getattr(values.ValueClass, "_multiprocess", False))
+PUBLISH_S = 1.0
+
+# Metric families holding series per replica that single-process mode drops when the replica
+# leaves (RouterMetrics.forget_replica, EngineCacheCounters.forget) or reads live at each scrape.
+REPLICA_SCOPED = frozenset({
+    "kvroute_requests", "kvroute_upstream_failures", "kvroute_index_entries",
+    "kvroute_replica_prefix_cache_queries_tokens", "kvroute_replica_prefix_cache_hits_tokens",
+    "kvroute_replica_in_flight", "kvroute_replica_healthy", "kvroute_replica_breaker_state",
+    "kvroute_replica_queued_prefill_tokens", "kvroute_replica_prefill_rate", "kvroute_replica_kv_events_state",
+})  # fmt: skip
+UNROUTED = "none"  # the replica label of requests answered before any replica was chosen
+
+
+class PublishedCollector:
+    """A collector's gauges written to the files (``publish()``): in multiprocess mode a collector
+    registered anywhere reaches no scrape.  ``modes``: each family's rule across workers."""
+
+    def __init__(self, collector: Collector, modes: Mapping[str, str]):
+        self._collector = collector
+        self._modes = modes
+        self._gauges: dict[str, Gauge] = {}
+
+    def publish(self) -> None:
+        for family in self._collector.collect():
+            gauge = self._gauges.get(family.name)
+            for sample in family.samples:
+                if gauge is None:
+                    gauge = self._gauges[family.name] = Gauge(
+                        family.name, family.documentation, list(sample.labels),
+                        multiprocess_mode=self._modes[family.name], registry=None,
+                    )  # fmt: skip
+                gauge.labels(**sample.labels).set(sample.value)
+
+
+def remove_series(metric: Any, *labels: str) -> None:
+    """``metric.remove(*labels)``; in multiprocess mode nothing (the files cannot forget a label
+    set; rendering hides a departed replica's series instead)."""
+    if not MULTIPROCESS:
+        with contextlib.suppress(KeyError):
+            metric.remove(*labels)
+
+
+class _WorkersCollector(Collector):
+    """Every worker's values, without the replica-scoped series of replicas not in ``keep``."""
+
+    def __init__(self, path: str, keep: Collection[str]):
+        self._path = path
+        self._keep = keep
+
+    def collect(self) -> Iterable[Any]:
+        keep = self._keep
+        for family in MultiProcessCollector(None, self._path).collect():
+            if family.name in REPLICA_SCOPED:
+                family.samples = [
+                    s for s in family.samples if s.labels.get("replica", UNROUTED) in keep or s.labels.get("replica") == UNROUTED
+                ]
+            yield family
+
+
+def render_workers(replicas: Collection[str]) -> bytes:
+    """The exposition of all the workers' metrics; ``replicas``: the fleet's current ones."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_WorkersCollector(os.environ[MULTIPROC_ENV], set(replicas)))
+    return generate_latest(registry)
+
+
+class WorkerMetrics:
+    """One worker's own series, and the loop that writes its scrape-time values to the files."""
+
+    def __init__(self, publish: Callable[[], None], *, restarted: bool):
+        self._publish = publish
+        self._task: asyncio.Task[None] | None = None
+        # livesum: every live worker adds its 1; a dead one's file is deleted by the supervisor
+        Gauge(
+            "kvroute_router_workers", "router worker processes running (--workers)", multiprocess_mode="livesum",
+            registry=None,
+        ).set(1)
+        restarts = Counter(
+            "kvroute_router_worker_restarts", "router worker processes started again after one died", registry=None
+        )
+        if restarted:
+            restarts.inc()  # counted by the replacement: the dead worker's count stays in its file
+
+    def start(self) -> None:
+        self._publish()
+        self._task = asyncio.create_task(self._loop(), name="worker-metrics")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task])
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(PUBLISH_S)
+            self._publish()

@@ -1,0 +1,229 @@
+"""``kvroute router --workers N``: N router processes on one port, under a small supervisor.
+
+Each worker is a whole router (router/app.py: its own event loop, fleet prober, KV-event
+subscribers and index client) listening on the same port with SO_REUSEPORT; the kernel spreads new
+connections over them by a hash of their addresses (a keep-alive connection stays with one
+worker).  The supervisor, this module:
+
+- gives the workers a new temporary ``PROMETHEUS_MULTIPROC_DIR`` (removed at exit), so that
+  /metrics adds up across them (router/worker_metrics.py), and deletes a dead worker's live gauges;
+- starts them (multiprocessing's spawn: fresh interpreters, nothing of this process inherited) and
+  prints one ``listening on`` line once all of them listen.  A worker that exits before it
+  listened fails the start (what stops one stops all: a port in use, a tokenizer path): exit 2;
+- starts again a worker that dies later, at once the first time, then after a delay doubling from
+  ``BACKOFF_S`` up to ``MAX_BACKOFF_S`` while it keeps dying within ``STABLE_S`` of its start;
+  each restart is logged and counted (``kvroute_router_worker_restarts_total``);
+- on SIGTERM or SIGINT passes the signal on to every worker; each drains as a single router does
+  (``drain_timeout_s``, then router/cutoff.py) and exits; the supervisor exits once all have, 0 if
+  they all stopped cleanly.  One still alive ``KILL_GRACE_S`` after the drain timeout is killed.
+
+A worker whose supervisor is gone (SIGKILL, the OOM killer) sees its end of their pipe close and
+drains and exits as on SIGTERM: it never keeps the port alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from prometheus_client.multiprocess import mark_process_dead
+
+from .config import RouterSettings
+from .worker_metrics import MULTIPROC_ENV
+
+log = logging.getLogger("kvroute.router.workers")
+
+BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+STABLE_S = 30.0  # a worker that lived this long had no trouble starting: its backoff starts over
+# after the drain timeout: the cutoff's grace (2 s) and the server's shutdown (2 s) fit in it
+KILL_GRACE_S = 10.0
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass
+class WorkerRole:
+    """What a worker process is told: which one it is, and its end of the pipe to the supervisor."""
+
+    index: int
+    restarted: bool  # a replacement for one that died
+    pipe: Connection
+
+    def listening(self, url: str) -> None:
+        self.pipe.send(url)
+
+    def on_orphaned(self, callback: Callable[[], None]) -> None:
+        """``callback()`` once the supervisor is gone: it never writes, so readable means closed."""
+        loop = asyncio.get_running_loop()
+        fd = self.pipe.fileno()
+
+        def gone() -> None:
+            loop.remove_reader(fd)
+            log.warning("the supervisor is gone: draining")
+            callback()
+
+        loop.add_reader(fd, gone)
+
+
+def _worker_main(settings: RouterSettings, role: WorkerRole) -> None:
+    """A worker process: one router (``serve``) until a signal, or the supervisor's end."""
+    import uvloop
+
+    from .app import serve
+    from .logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
+    for handler in logging.getLogger().handlers:  # every line says which worker wrote it
+        handler.addFilter(_WorkerTag(role.index))
+    try:
+        uvloop.run(serve(settings, worker=role))
+    except (ValueError, OSError) as exc:  # a tokenizer path, a policy name, a port in use
+        print(f"kvroute router worker {role.index}: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+class _WorkerTag(logging.Filter):
+    """Adds ``worker`` to every record: a field of JSON lines, ``worker=N`` at the end of text ones."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self.index
+        return True
+
+
+async def _readable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+class Supervisor:
+    def __init__(self, settings: RouterSettings, metrics_dir: str):
+        self.settings = settings
+        self.metrics_dir = metrics_dir
+        self.restarts = 0
+        self._spawn = multiprocessing.get_context("spawn")
+        self._procs: dict[int, BaseProcess] = {}
+        self._stopping = asyncio.Event()
+        self._failed: str | None = None
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in _STOP_SIGNALS:
+            loop.add_signal_handler(sig, self.stop, sig)
+        n = self.settings.workers
+        listening = [loop.create_future() for _ in range(n)]
+        announce = asyncio.create_task(self._announce(listening))
+        codes = await asyncio.gather(*(self._keep(i, listening[i]) for i in range(n)))
+        announce.cancel()
+        if self._failed is not None:
+            print(f"kvroute router: {self._failed}", file=sys.stderr)
+            return 2
+        clean = (None, 0, -signal.SIGTERM, -signal.SIGINT)  # a signal's default action: stopped as asked
+        return 0 if all(code in clean for code in codes) else 1
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Pass ``sig`` on to every worker (each drains); start no more."""
+        if not self._stopping.is_set():
+            self._stopping.set()
+            log.info("%s: the workers drain", signal.Signals(sig).name)
+            asyncio.get_running_loop().call_later(self.settings.drain_timeout_s + KILL_GRACE_S, self._kill_all)
+        for proc in list(self._procs.values()):
+            self._signal(proc, sig)
+
+    async def _announce(self, listening: list[asyncio.Future[str]]) -> None:
+        urls = await asyncio.gather(*listening)
+        print(f"kvroute router ({len(urls)} workers) listening on {urls[0]}", flush=True)
+
+    async def _keep(self, index: int, listening: asyncio.Future[str]) -> int | None:
+        """Keep worker ``index`` running until the stop; its last exit code (None: none ran then)."""
+        failures, restarted = 0, False
+        while not self._stopping.is_set():
+            parent, child = self._spawn.Pipe()
+            proc = self._spawn.Process(
+                target=_worker_main, args=(self.settings, WorkerRole(index, restarted, child)), name=f"kvroute-worker-{index}"
+            )
+            proc.start()
+            child.close()
+            started = time.monotonic()
+            self._procs[index] = proc
+            try:
+                await _readable(parent.fileno())  # its URL, or the end of its pipe: it died
+                if not listening.done() and parent.poll():
+                    try:
+                        listening.set_result(parent.recv())
+                    except EOFError:
+                        pass
+                await _readable(proc.sentinel)
+            finally:
+                proc.join()
+                parent.close()
+                del self._procs[index]
+                mark_process_dead(proc.pid, self.metrics_dir)  # its live gauges leave the sums
+            code = proc.exitcode
+            if self._stopping.is_set():
+                return code
+            if not listening.done():
+                self._fail(f"worker {index} exited with {code} before it listened (its error is above)")
+                return code
+            if time.monotonic() - started >= STABLE_S:
+                failures = 0
+            delay = 0.0 if failures == 0 else min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (failures - 1))
+            failures += 1
+            self.restarts += 1
+            log.warning(
+                "worker %d (pid %d) exited with %s; starting it again in %.1f s (%d restarts so far)",
+                index, proc.pid, code, delay, self.restarts,
+            )  # fmt: skip
+            try:
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            except TimeoutError:
+                pass
+            restarted = True
+        return None
+
+    def _fail(self, why: str) -> None:
+        if self._failed is None:
+            self._failed = why
+        self.stop(signal.SIGTERM)
+
+    def _kill_all(self) -> None:
+        for proc in list(self._procs.values()):
+            log.warning("worker %s (pid %d) still running past the drain timeout: killed", proc.name, proc.pid)
+            self._signal(proc, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(proc: BaseProcess, sig: int) -> None:
+        if proc.pid is not None:
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                pass  # exited meanwhile
+
+
+def supervise(settings: RouterSettings) -> int:
+    """Run ``settings.workers`` workers until SIGTERM/SIGINT; the exit status."""
+    metrics_dir = tempfile.mkdtemp(prefix="kvroute-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir  # the workers inherit it: prometheus-client reads it at import
+    try:
+        return asyncio.run(Supervisor(settings, metrics_dir).run())
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -1,0 +1,171 @@
+"""``kvroute router --workers N``: a real supervisor and its worker processes on one port, in
+front of emulated replicas, driven by the official client.  Both workers serve; /metrics adds up
+across them (whichever worker answers the scrape); a killed worker is started again and the
+totals keep what it counted; SIGTERM drains every worker (a stream in flight ends normally) and
+the supervisor exits 0; a worker that cannot start fails the whole start."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+
+from tests.conftest import free_port
+from tests.router_support import MODEL, REPO, RouterProcess, emulated_replicas, scrape, total
+
+DRAIN_S = 15.0
+
+
+async def start_router(replica_urls: list[str], *args: str) -> RouterProcess:
+    # a port of its own (the later --port wins over RouterProcess's 0): workers share one
+    return await RouterProcess.start(replica_urls, "--port", str(free_port()), *args)
+
+
+def worker_pids(supervisor: int) -> list[int]:
+    """The supervisor's worker processes (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+async def routed(client: openai.AsyncOpenAI, text: str) -> str:
+    """One chat request; the X-Request-Id the router made for it (its prefix names the process)."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2,
+        # the connection closes after the answer: every request a new one, given to either worker
+        extra_headers={"Connection": "close"},
+    )
+    assert raw.parse().choices[0].message.content
+    return raw.headers["x-request-id"]
+
+
+async def eventually(check, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def test_two_workers_serve_add_up_restart_and_drain():
+    async with emulated_replicas(2, time_scale=1.0) as reps:
+        router = await start_router([r.url for r in reps], "--workers", "2", "--drain-timeout-s", str(DRAIN_S))
+        proc, url = router.proc, router.url
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        try:
+            ids = await asyncio.gather(*(routed(client, f"question {i}") for i in range(40)))
+            processes = {rid[:16] for rid in ids}  # a request id is its process's prefix and a counter
+            assert len(processes) == 2, processes
+
+            async def totals(requests: int, restarts: int) -> None:
+                for _ in range(6):  # whichever worker answers, the same sums
+                    samples = await scrape(url)
+                    assert total(samples, "kvroute_requests_total") == requests
+                    assert total(samples, "kvroute_requests_total", status="200") == requests
+                    assert total(samples, "kvroute_router_added_latency_seconds_count") == requests
+                    assert total(samples, "kvroute_router_workers") == 2
+                    assert total(samples, "kvroute_router_worker_restarts_total") == restarts
+                    assert total(samples, "kvroute_in_flight") == 0
+
+            await totals(40, 0)
+
+            # a worker dies: it is started again; what it counted stays in the totals
+            pids = worker_pids(proc.pid)
+            assert len(pids) == 2
+            os.kill(pids[0], signal.SIGKILL)
+            await eventually(lambda: totals(40, 1))
+            new_pids = worker_pids(proc.pid)
+            assert len(new_pids) == 2 and pids[0] not in new_pids and pids[1] in new_pids
+            await asyncio.gather(*(routed(client, f"again {i}") for i in range(20)))
+            await totals(60, 1)
+
+            # SIGTERM with a stream in flight: it ends normally, then the supervisor exits 0
+            async with aiohttp.ClientSession() as s:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 40, "stream": True}
+                async with s.post(url + "/v1/chat/completions", json=body) as streaming:
+                    assert streaming.status == 200
+                    await streaming.content.readline()
+                    signalled = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+                    rest = (await asyncio.wait_for(streaming.read(), DRAIN_S)).decode()
+            events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert all("error" not in json.loads(e) for e in events[:-1])
+            assert await asyncio.wait_for(proc.wait(), DRAIN_S) == 0
+            assert time.monotonic() - signalled < DRAIN_S
+        finally:
+            await client.close()
+            await router.stop()
+
+
+async def test_a_worker_that_cannot_start_fails_the_start():
+    async with emulated_replicas(1) as reps:
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", str(free_port()),
+            "--replicas", reps[0].url, "--tokenizer", "/nonexistent/tokenizer", "--workers", "2",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=str(REPO),
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert b"listening" not in out
+    assert "before it listened" in err.decode() and "/nonexistent/tokenizer" in err.decode()
+    assert time.monotonic() - started < 60
+
+
+def test_workers_setting():
+    from router.config import load_settings
+
+    assert load_settings(["--workers", "auto", "--port", "8000"]).workers == len(os.sched_getaffinity(0))
+    run = subprocess.run(
+        [sys.executable, "-m", "router.cli", "router", "--port", "0", "--workers", "2"],
+        capture_output=True, text=True, cwd=str(REPO), timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and "port 0 with several workers" in run.stderr
+
+
+_DEPARTED = """
+import os, sys, tempfile
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp()
+from router.metrics import RouterMetrics
+m = RouterMetrics("round_robin")
+m.know_model("tiny", ["a", "b"])
+m.requests.labels("tiny", "a", "200").inc(3)
+m.requests.labels("tiny", "b", "200").inc(4)
+m.requests.labels("unknown", "none", "400").inc()
+m.bind_replicas(lambda: [("a", True, "closed", 2, 10, 5e3), ("b", False, "open", 1, 0, 7e3)])
+m.publish()
+m.forget_replica("b")
+sys.stdout.write(m.render({"a"}).decode())
+"""
+
+
+def test_multiprocess_metrics_hide_departed_replicas_and_read_live_values():
+    """In multiprocess mode (a fresh interpreter: prometheus-client chooses at import), the
+    series single-process mode drops for a replica that left are hidden, the unrouted ones kept,
+    and the per-replica gauges read at scrape time are there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    run = subprocess.run([sys.executable, "-c", _DEPARTED], capture_output=True, text=True, cwd=str(REPO), timeout=60)
+    assert run.returncode == 0, run.stderr
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(run.stdout)
+        for s in family.samples
+    }
+    assert total(samples, "kvroute_requests_total", replica="a") == 3
+    assert total(samples, "kvroute_requests_total", replica="none") == 1
+    assert total(samples, "kvroute_replica_in_flight", replica="a") == 2
+    assert total(samples, "kvroute_replica_queued_prefill_tokens", replica="a") == 10
+    assert not [key for key in samples if ("replica", "b") in key[1]]
+    assert "Removal of labels" not in run.stderr  # nothing asked of the files that they cannot do
