@@ -8,7 +8,11 @@ direct request (to a replica) and the routed ones (through each router) interlea
 * added p50 latency, unloaded: one request at a time, non-streamed, ``max_tokens`` 1;
 * added time to first streamed chunk, unloaded, p50;
 * router CPU per request at concurrency 64: the router process's user+system CPU time
-  (``/proc/PID/stat``, every thread) over the requests it proxied.
+  (``/proc/PID/stat``, every thread, and its child processes: ``--workers``) over the requests it
+  proxied, and the cores the router, the replicas and this client used meanwhile.
+
+``--workers 2`` (a comma-separated list) adds kvroute run as that many worker processes on one
+port, measured in the same interleaved rounds as the single process.
 
 Two prompts: (a) a multi-turn chat of ~16 KB whose earlier turns the router has seen, each
 request adding a short new user turn; (b) a ~16 KB chat the router has never seen (each request
@@ -95,10 +99,19 @@ def conversation(rng: np.random.Generator, n_bytes: int) -> list[dict[str, str]]
     return msgs
 
 
-def process_cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int, *, children: bool = True) -> float:
+    """CPU seconds of ``pid`` and (``children``) the processes under it (a router's workers)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: every thread of the process
+    own = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: every thread of the process
+    if not children:
+        return own
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return own
+    return own + sum(process_cpu_s(kid) for kid in kids)
 
 
 async def spawn(args: list[str]) -> tuple[asyncio.subprocess.Process, str]:
@@ -223,7 +236,16 @@ async def run(args: argparse.Namespace) -> dict:
         )
         procs.append(router_proc)
         routers = {"kvroute": line.rsplit(" ", 1)[-1]}
-        pids = {"kvroute": router_proc.pid}
+        pids = {"kvroute": router_proc.pid, "replicas": rep_proc.pid}
+        for workers in args.workers:  # the same router as several processes on one port
+            name = f"kvroute_{workers}_workers"
+            proc, line = await spawn(
+                [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", str(free_port()),
+                 "--replicas", ",".join(urls), "--tokenizer", str(TOKENIZER), "--policy", "cost_model",
+                 "--log-level", "warning", "--max-in-flight", "4096", "--workers", str(workers)]
+            )
+            procs.append(proc)
+            routers[name], pids[name] = line.rsplit(" ", 1)[-1], proc.pid
         sglang = sglang_python(args.sglang_python)
         if sglang is not None:
             sg_proc, routers["sglang"] = await start_sglang(sglang, urls)
@@ -291,11 +313,16 @@ async def measure_all(
                 if case.body is never_seen:
                     for i in range(base, base + n):
                         fresh_texts[i] = text_of(fresh_rng, PROMPT_BYTES)
-                cpu0 = process_cpu_s(pids[name])
+                cpu0, rep0 = process_cpu_s(pids[name]), process_cpu_s(pids["replicas"])
+                client0 = process_cpu_s(os.getpid(), children=False)
                 rps = await under_load(client, url, case, n, args.concurrency, base)
-                cpu = process_cpu_s(pids[name]) - cpu0
+                cpu, rep_cpu = process_cpu_s(pids[name]) - cpu0, process_cpu_s(pids["replicas"]) - rep0
+                client_cpu = process_cpu_s(os.getpid(), children=False) - client0
+                elapsed = n / rps
+                # how the machine's cores were shared meanwhile: router, replicas, this client
                 out[name].update(concurrency=args.concurrency, load_requests=n, routed_rps=rps,
-                                 router_cpu_us_per_request=cpu / n * 1e6)
+                                 router_cpu_us_per_request=cpu / n * 1e6, router_cores=cpu / elapsed,
+                                 replicas_cores=rep_cpu / elapsed, client_cores=client_cpu / elapsed)
             results["cases"][case.name] = out
     return results
 
@@ -366,6 +393,7 @@ def print_table(results: dict) -> None:
         ("  direct / routed first chunk p50 (ms)", ("direct_first_chunk_p50_ms", "routed_first_chunk_p50_ms")),
         ("router CPU per request at c=64 (µs)", "router_cpu_us_per_request"),
         ("routed throughput at c=64 (req/s)", "routed_rps"),
+        ("  cores used: router / replicas / client", ("router_cores", "replicas_cores", "client_cores")),
     ]
     names = list(results["cases"])
     print(f"router overhead, {results['replicas']} emulated replicas answering at once, "
@@ -377,7 +405,7 @@ def print_table(results: dict) -> None:
             cells = []
             for n in names:
                 c = results["cases"][n][router]
-                cells.append(f"{c[key[0]]:.2f} / {c[key[1]]:.2f}" if isinstance(key, tuple) else f"{c[key]:.2f}")
+                cells.append(" / ".join(f"{c[k]:.2f}" for k in key) if isinstance(key, tuple) else f"{c[key]:.2f}")
             print(f"  {label:38}" + "".join(f"{x:>24}" for x in cells))
     if "sglang" in results["routers"]:
         print("kvroute / sglang CPU per request")
@@ -405,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-floors", action="store_true", help="skip the forward-only proxies (bench.proxy_floor)")
+    p.add_argument("--workers", type=lambda v: [int(w) for w in v.split(",") if w], default=[],
+                   help="also run kvroute with these --workers counts (comma-separated), measured beside it")
     p.add_argument("--sglang-python", default=None,
                    help="a Python with sglang-router installed (default: .venv-sglang's, if present)")
     args = p.parse_args(argv)

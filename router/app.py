@@ -576,6 +576,8 @@ class RouterApp:
         name = await self._admin_body_replica(request)
         if not await self.fleet.drain(name):
             raise ApiError(404, f"no replica named {name!r}", param="replica", code="replica_not_found")
+        if self._worker is not None:
+            self._worker.tell_others("drain", name)  # one of several workers: all drain it
         log.info("admin: draining replica %s", name)
         return web.json_response({"replica": name, "draining": True})
 
@@ -584,6 +586,8 @@ class RouterApp:
         name = await self._admin_body_replica(request)
         if not await self.fleet.undrain(name):
             raise ApiError(404, f"no replica named {name!r}", param="replica", code="replica_not_found")
+        if self._worker is not None:
+            self._worker.tell_others("undrain", name)
         return web.json_response({"replica": name, "draining": False})
 
 
@@ -604,7 +608,7 @@ async def serve(settings: RouterSettings, *, worker: WorkerRole | None = None) -
         print(f"kvroute router listening on {app.url}", flush=True)
     else:
         worker.listening(app.url)  # the supervisor announces once all workers listen
-        worker.on_orphaned(stop.set)
+        worker.follow(app.fleet, on_orphaned=stop.set)
     try:
         await stop.wait()
         log.info("signal received: draining (%d in flight)", app.in_flight)

@@ -17,7 +17,9 @@ worker).  The supervisor, this module:
   (``drain_timeout_s``, then router/cutoff.py) and exits; the supervisor exits once all have, 0 if
   they all stopped cleanly.  One still alive ``KILL_GRACE_S`` after the drain timeout is killed.
 
-A worker whose supervisor is gone (SIGKILL, the OOM killer) sees its end of their pipe close and
+The admin API's drain and undrain reach one worker (whichever the connection landed on): it tells
+the supervisor, which has every other worker apply them too, and a worker started later applies
+the drains made so far.  A worker whose supervisor is gone (SIGKILL, the OOM killer) sees its end of their pipe close and
 drains and exits as on SIGTERM: it never keeps the port alone.
 """
 
@@ -40,6 +42,7 @@ from multiprocessing.process import BaseProcess
 from prometheus_client.multiprocess import mark_process_dead
 
 from .config import RouterSettings
+from .fleet import Fleet
 from .worker_metrics import MULTIPROC_ENV
 
 log = logging.getLogger("kvroute.router.workers")
@@ -52,28 +55,52 @@ KILL_GRACE_S = 10.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+ADMIN_OPS = ("drain", "undrain")
+
+
 @dataclass
 class WorkerRole:
-    """What a worker process is told: which one it is, and its end of the pipe to the supervisor."""
+    """What a worker process is told: which one it is, the replicas drained by the admin API so
+    far, and its end of the pipe to the supervisor (messages are (kind, value) tuples)."""
 
     index: int
     restarted: bool  # a replacement for one that died
+    drained: tuple[str, ...]
     pipe: Connection
 
     def listening(self, url: str) -> None:
-        self.pipe.send(url)
+        self.pipe.send(("listening", url))
 
-    def on_orphaned(self, callback: Callable[[], None]) -> None:
-        """``callback()`` once the supervisor is gone: it never writes, so readable means closed."""
+    def tell_others(self, op: str, replica: str) -> None:
+        """An admin drain or undrain this worker applied: the supervisor has every other one apply it."""
+        self.pipe.send((op, replica))
+
+    def follow(self, fleet: Fleet, on_orphaned: Callable[[], None]) -> None:
+        """Apply the drains so far, then those the supervisor relays; ``on_orphaned()`` once the
+        supervisor is gone (its end of the pipe closed)."""
         loop = asyncio.get_running_loop()
         fd = self.pipe.fileno()
+        pending: set[asyncio.Task[bool]] = set()
 
-        def gone() -> None:
-            loop.remove_reader(fd)
-            log.warning("the supervisor is gone: draining")
-            callback()
+        def apply(op: str, replica: str) -> None:
+            task = loop.create_task(fleet.drain(replica) if op == "drain" else fleet.undrain(replica))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
 
-        loop.add_reader(fd, gone)
+        def readable() -> None:
+            try:
+                while self.pipe.poll():
+                    op, replica = self.pipe.recv()
+                    if op in ADMIN_OPS:
+                        apply(op, replica)
+            except (EOFError, OSError):
+                loop.remove_reader(fd)
+                log.warning("the supervisor is gone: draining")
+                on_orphaned()
+
+        for replica in self.drained:
+            apply("drain", replica)
+        loop.add_reader(fd, readable)
 
 
 def _worker_main(settings: RouterSettings, role: WorkerRole) -> None:
@@ -122,6 +149,8 @@ class Supervisor:
         self.restarts = 0
         self._spawn = multiprocessing.get_context("spawn")
         self._procs: dict[int, BaseProcess] = {}
+        self._pipes: dict[int, Connection] = {}
+        self._drained: set[str] = set()  # by the admin API, for workers started later
         self._stopping = asyncio.Event()
         self._failed: str | None = None
 
@@ -158,25 +187,19 @@ class Supervisor:
         failures, restarted = 0, False
         while not self._stopping.is_set():
             parent, child = self._spawn.Pipe()
-            proc = self._spawn.Process(
-                target=_worker_main, args=(self.settings, WorkerRole(index, restarted, child)), name=f"kvroute-worker-{index}"
-            )
+            role = WorkerRole(index, restarted, tuple(sorted(self._drained)), child)
+            proc = self._spawn.Process(target=_worker_main, args=(self.settings, role), name=f"kvroute-worker-{index}")
             proc.start()
             child.close()
             started = time.monotonic()
-            self._procs[index] = proc
+            self._procs[index], self._pipes[index] = proc, parent
             try:
-                await _readable(parent.fileno())  # its URL, or the end of its pipe: it died
-                if not listening.done() and parent.poll():
-                    try:
-                        listening.set_result(parent.recv())
-                    except EOFError:
-                        pass
+                await self._follow(index, parent, listening)
                 await _readable(proc.sentinel)
             finally:
                 proc.join()
                 parent.close()
-                del self._procs[index]
+                del self._procs[index], self._pipes[index]
                 mark_process_dead(proc.pid, self.metrics_dir)  # its live gauges leave the sums
             code = proc.exitcode
             if self._stopping.is_set():
@@ -199,6 +222,26 @@ class Supervisor:
                 pass
             restarted = True
         return None
+
+    async def _follow(self, index: int, pipe: Connection, listening: asyncio.Future[str]) -> None:
+        """Worker ``index``'s messages until its end of the pipe closes (it exited)."""
+        while True:
+            await _readable(pipe.fileno())
+            try:
+                kind, value = pipe.recv()
+            except (EOFError, OSError):
+                return
+            if kind == "listening":
+                if not listening.done():
+                    listening.set_result(value)
+            elif kind in ADMIN_OPS:
+                (self._drained.add if kind == "drain" else self._drained.discard)(value)
+                for other, peer in self._pipes.items():
+                    if other != index:
+                        try:
+                            peer.send((kind, value))
+                        except OSError:
+                            pass  # exiting: its replacement gets the drained set
 
     def _fail(self, why: str) -> None:
         if self._failed is None:

@@ -22,6 +22,7 @@ from tests.conftest import free_port
 from tests.router_support import MODEL, REPO, RouterProcess, emulated_replicas, scrape, total
 
 DRAIN_S = 15.0
+ADMIN = "admin-secret"
 
 
 async def start_router(replica_urls: list[str], *args: str) -> RouterProcess:
@@ -46,6 +47,24 @@ async def routed(client: openai.AsyncOpenAI, text: str) -> str:
     return raw.headers["x-request-id"]
 
 
+async def admin(url: str, op: str, replica: str) -> None:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as s:
+        async with s.post(f"{url}/admin/replicas/{op}", json={"replica": replica}) as resp:
+            assert resp.status == 200, await resp.text()
+
+
+async def draining_everywhere(url: str, replica: str, draining: bool) -> None:
+    """Each worker's /admin/replicas (new connections reach both) says ``replica`` is (not) draining."""
+    workers = set()
+    for _ in range(30):
+        headers = {"Authorization": f"Bearer {ADMIN}", "Connection": "close"}
+        async with aiohttp.ClientSession(headers=headers) as s, s.get(url + "/admin/replicas") as resp:
+            states = {r["name"]: r["draining"] for r in (await resp.json())["replicas"]}
+            workers.add(resp.headers["X-Request-Id"][:16])
+        assert states[replica] is draining
+    assert len(workers) == 2
+
+
 async def eventually(check, timeout_s: float = 20.0):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -59,7 +78,9 @@ async def eventually(check, timeout_s: float = 20.0):
 
 async def test_two_workers_serve_add_up_restart_and_drain():
     async with emulated_replicas(2, time_scale=1.0) as reps:
-        router = await start_router([r.url for r in reps], "--workers", "2", "--drain-timeout-s", str(DRAIN_S))
+        router = await start_router(
+            [r.url for r in reps], "--workers", "2", "--drain-timeout-s", str(DRAIN_S), "--admin-token", ADMIN
+        )
         proc, url = router.proc, router.url
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         try:
@@ -79,13 +100,21 @@ async def test_two_workers_serve_add_up_restart_and_drain():
 
             await totals(40, 0)
 
-            # a worker dies: it is started again; what it counted stays in the totals
+            # an admin drain reaches one worker; every worker applies it
+            drained = reps[0].url
+            await admin(url, "drain", drained)
+            await eventually(lambda: draining_everywhere(url, drained, True))
+
+            # a worker dies: it is started again, the drain applied; what it counted stays in the totals
             pids = worker_pids(proc.pid)
             assert len(pids) == 2
             os.kill(pids[0], signal.SIGKILL)
             await eventually(lambda: totals(40, 1))
             new_pids = worker_pids(proc.pid)
             assert len(new_pids) == 2 and pids[0] not in new_pids and pids[1] in new_pids
+            await draining_everywhere(url, drained, True)
+            await admin(url, "undrain", drained)
+            await eventually(lambda: draining_everywhere(url, drained, False))
             await asyncio.gather(*(routed(client, f"again {i}") for i in range(20)))
             await totals(60, 1)
 
