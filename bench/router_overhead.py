@@ -287,6 +287,7 @@ async def measure_all(
 
     # the short chat is the floor: what proxying costs with (almost) no prompt to tokenize and hash
     cases = [Case("multi_turn_16k_seen", multi_turn), Case("new_16k_unseen", never_seen), Case("short_chat_floor", short)]
+    cases = [case for case in cases if not args.cases or case.name in args.cases]
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
         client = Client(session)
@@ -433,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-floors", action="store_true", help="skip the forward-only proxies (bench.proxy_floor)")
+    p.add_argument("--cases", type=lambda v: v.split(","), default=[],
+                   help="only these prompts (comma-separated: multi_turn_16k_seen, new_16k_unseen, short_chat_floor)")
     p.add_argument("--workers", type=lambda v: [int(w) for w in v.split(",") if w], default=[],
                    help="also run kvroute with these --workers counts (comma-separated), measured beside it")
     p.add_argument("--sglang-python", default=None,

@@ -25,6 +25,7 @@ are the field names, nested tables for ``fleet``, ``tokenizers`` and ``policy_op
 from __future__ import annotations
 
 import contextvars
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +50,19 @@ from .settings_cli import hint as _hint
 
 # The config file of the settings being built (the sources hook is a classmethod: no instance yet).
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("kvroute_config_file", default=None)
+
+
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may run on (its affinity, which follows cpusets), at most its cgroup
+    v2 CPU quota rounded up (a container's CPU limit, which the affinity does not show)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 CPU controller here: the affinity it is
+    return cores
 
 
 def _comma_list(value: Any) -> Any:
@@ -96,7 +110,7 @@ class RouterSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
     workers: int = Field(
         1, ge=1, description="router processes sharing the port (SO_REUSEPORT), each a whole router; 'auto': one "
-        "per usable core"
+        "per usable core (CPU affinity, at most the cgroup CPU quota)"
     )
 
     # -- fleet -----------------------------------------------------------------------------
@@ -233,7 +247,7 @@ class RouterSettings(BaseSettings):
     @classmethod
     def _auto_workers(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() == "auto":
-            return len(os.sched_getaffinity(0))  # the cores this process may run on (cgroup cpusets too)
+            return usable_cores()
         return value
 
     @field_validator("admin_token", "tenant_salt_secret", "tokenizer", "redis_url", mode="before")

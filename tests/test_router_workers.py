@@ -152,10 +152,15 @@ async def test_a_worker_that_cannot_start_fails_the_start():
     assert time.monotonic() - started < 60
 
 
-def test_workers_setting():
-    from router.config import load_settings
+def test_workers_setting(tmp_path):
+    from router.config import load_settings, usable_cores
 
-    assert load_settings(["--workers", "auto", "--port", "8000"]).workers == len(os.sched_getaffinity(0))
+    assert load_settings(["--workers", "auto", "--port", "8000"]).workers == usable_cores()
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("max 100000\n")  # no quota: the affinity
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))
+    cpu_max.write_text("50000 100000\n")  # half a core: one worker
+    assert usable_cores(cpu_max) == 1
     run = subprocess.run(
         [sys.executable, "-m", "router.cli", "router", "--port", "0", "--workers", "2"],
         capture_output=True, text=True, cwd=str(REPO), timeout=60,
@@ -198,3 +203,72 @@ def test_multiprocess_metrics_hide_departed_replicas_and_read_live_values():
     assert total(samples, "kvroute_replica_queued_prefill_tokens", replica="a") == 10
     assert not [key for key in samples if ("replica", "b") in key[1]]
     assert "Removal of labels" not in run.stderr  # nothing asked of the files that they cannot do
+
+
+async def test_without_redis_every_worker_follows_the_kv_events(redis_url, redis_prefix):
+    """The in-memory index (Redis only for discovery, where replicas register their KV-event
+    endpoints): every worker subscribes to every replica, so a prefix one worker routed is known
+    to the other through the engine's events, and a follow-up reaching either worker goes where the
+    prefix is cached.  Without the events the other worker would know nothing: with 3 replicas, 4
+    prefixes all reaching the cache holder by luck is 1 chance in 81 per attempt."""
+    import redis.asyncio as aioredis
+
+    from replica.emulated.server import EmulatedReplica, ReplicaConfig
+    from router.registry import ReplicaRecord, register
+
+    reps = []
+    for _ in range(3):
+        events, replay = f"tcp://*:{free_port()}", f"tcp://*:{free_port()}"
+        reps.append(EmulatedReplica(ReplicaConfig(model=MODEL, time_scale=0.0, events_endpoint=events, replay_endpoint=replay)))
+    store = aioredis.Redis.from_url(redis_url)
+    router = None
+    try:
+        for rep in reps:
+            await rep.start()
+            record = ReplicaRecord(url=rep.url, model=MODEL, events_endpoint=rep.config.events_endpoint,
+                                   replay_endpoint=rep.config.replay_endpoint)  # fmt: skip
+            await register(store, redis_prefix, record, ttl=60)
+        router = await start_router(
+            [], "--workers", "2", "--fleet.discovery-redis", "--fleet.redis-url", redis_url,
+            "--fleet.redis-key-prefix", redis_prefix,
+        )  # fmt: skip
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+
+        async def cached(system: str, question: str) -> tuple[str, int]:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=1, extra_headers={"Connection": "close"},
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            )  # fmt: skip
+            details = raw.parse().usage.prompt_tokens_details
+            return raw.headers["x-request-id"][:16], (details.cached_tokens or 0) if details else 0
+
+        async def all_up() -> None:
+            samples = await scrape(router.url)
+            assert total(samples, "kvroute_replica_healthy") == 3
+
+        await eventually(all_up)
+        for attempt in range(3):
+            systems = [f"Attempt {attempt}, topic {t}: " + " ".join(f"fact {t}.{i}" for i in range(300)) for t in range(4)]
+            for system in systems:
+                await cached(system, "first")
+
+            async def events_settled(before: list[float] = [-1.0]) -> None:  # noqa: B006 - the last total seen
+                now = total(await scrape(router.url), "kvroute_kv_events_applied_total", type="BlockStored")
+                settled, before[0] = now == before[0] and now > 0, now
+                assert settled
+                await asyncio.sleep(0.5)
+
+            await eventually(events_settled)
+            answers = [await cached(system, f"follow-up {i}") for system in systems for i in range(4)]
+            workers = {worker for worker, _ in answers}
+            if len(workers) == 2 and all(hits > 0 for _, hits in answers):
+                break
+        else:
+            raise AssertionError(f"follow-ups missed the cache on some worker: {answers}")
+        await client.close()
+    finally:
+        if router is not None:
+            await router.stop()
+        await store.aclose()
+        for rep in reps:
+            await rep.stop()
