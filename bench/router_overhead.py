@@ -307,22 +307,29 @@ async def measure_all(
                 out[name].update(direct_first_chunk_p50_ms=p50_ms(d), routed_first_chunk_p50_ms=p50_ms(r[name]),
                                  added_first_chunk_p50_ms=p50_ms(r[name]) - p50_ms(d))
             # CPU at concurrency, each router (then each floor) in turn on its own request numbers
-            # (new prompts stay new); bodies built beforehand so that the client keeps up
+            # (new prompts stay new); bodies built beforehand so that the client keeps up.  With
+            # --load-rounds K, K rounds, the order reversed every other round (a machine whose load
+            # drifts favours neither), the figures over all rounds
             n = args.load_requests
-            for n_router, (name, url) in enumerate({**routers, **floors}.items()):
-                base = 1_000_000 * (n_case + 1) + 100_000 * n_router
-                if case.body is never_seen:
-                    for i in range(base, base + n):
-                        fresh_texts[i] = text_of(fresh_rng, PROMPT_BYTES)
-                cpu0, rep0 = process_cpu_s(pids[name]), process_cpu_s(pids["replicas"])
-                client0 = process_cpu_s(os.getpid(), children=False)
-                rps = await under_load(client, url, case, n, args.concurrency, base)
-                cpu, rep_cpu = process_cpu_s(pids[name]) - cpu0, process_cpu_s(pids["replicas"]) - rep0
-                client_cpu = process_cpu_s(os.getpid(), children=False) - client0
-                elapsed = n / rps
-                # how the machine's cores were shared meanwhile: router, replicas, this client
-                out[name].update(concurrency=args.concurrency, load_requests=n, routed_rps=rps,
-                                 router_cpu_us_per_request=cpu / n * 1e6, router_cores=cpu / elapsed,
+            targets = list({**routers, **floors}.items())
+            spent: dict[str, list[float]] = {name: [0.0, 0.0, 0.0, 0.0] for name, _ in targets}
+            for n_round in range(args.load_rounds):
+                for name, url in targets if n_round % 2 == 0 else targets[::-1]:
+                    base = 1_000_000 * (n_case + 1) + 100_000 * [t for t, _ in targets].index(name) + 10_000 * n_round
+                    if case.body is never_seen:
+                        for i in range(base, base + n):
+                            fresh_texts[i] = text_of(fresh_rng, PROMPT_BYTES)
+                    cpu0, rep0 = process_cpu_s(pids[name]), process_cpu_s(pids["replicas"])
+                    client0 = process_cpu_s(os.getpid(), children=False)
+                    rps = await under_load(client, url, case, n, args.concurrency, base)
+                    # how the machine's cores were shared meanwhile: router, replicas, this client
+                    for k, used in enumerate((n / rps, process_cpu_s(pids[name]) - cpu0, process_cpu_s(pids["replicas"]) - rep0,
+                                              process_cpu_s(os.getpid(), children=False) - client0)):
+                        spent[name][k] += used
+            for name, (elapsed, cpu, rep_cpu, client_cpu) in spent.items():
+                total_n = n * args.load_rounds
+                out[name].update(concurrency=args.concurrency, load_requests=total_n, routed_rps=total_n / elapsed,
+                                 router_cpu_us_per_request=cpu / total_n * 1e6, router_cores=cpu / elapsed,
                                  replicas_cores=rep_cpu / elapsed, client_cores=client_cpu / elapsed)
             results["cases"][case.name] = out
     return results
@@ -431,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=200, help="sequential requests per unloaded measure")
     p.add_argument("--load-requests", type=int, default=1500, help="requests of the concurrency-64 CPU measure")
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--load-rounds", type=int, default=1, help="rounds of the concurrency measure, in alternating order")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-floors", action="store_true", help="skip the forward-only proxies (bench.proxy_floor)")
