@@ -229,20 +229,19 @@ async def run(args: argparse.Namespace) -> dict:
         rep_proc, urls_line = await spawn([py, "-c", _REPLICAS_CHILD, str(args.replicas), MODEL])
         procs.append(rep_proc)
         urls = urls_line.split()
-        router_proc, line = await spawn(
-            [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0", "--replicas", ",".join(urls),
-             "--tokenizer", str(TOKENIZER), "--policy", "cost_model", "--log-level", "warning",
-             "--max-in-flight", "4096"]
-        )
-        procs.append(router_proc)
-        routers = {"kvroute": line.rsplit(" ", 1)[-1]}
-        pids = {"kvroute": router_proc.pid, "replicas": rep_proc.pid}
-        for workers in args.workers:  # the same router as several processes on one port
-            name = f"kvroute_{workers}_workers"
+        routers: dict[str, str] = {}
+        pids = {"replicas": rep_proc.pid}
+        # kvroute, and the same router as several processes on one port (--workers)
+        for workers in (1, *args.workers):
+            name = "kvroute" if workers == 1 else f"kvroute_{workers}_workers"
+            port = "0" if workers == 1 else str(free_port())
             proc, line = await spawn(
-                [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", str(free_port()),
-                 "--replicas", ",".join(urls), "--tokenizer", str(TOKENIZER), "--policy", "cost_model",
-                 "--log-level", "warning", "--max-in-flight", "4096", "--workers", str(workers)]
+                [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", port, "--replicas", ",".join(urls),
+                 "--tokenizer", str(TOKENIZER), "--policy", "cost_model", "--log-level", "warning",
+                 "--max-in-flight", "4096", "--workers", str(workers),
+                 # the replicas' one process is saturated at c=64 on a shared machine: a probe
+                 # timing out at 1 s would take them all out of the fleet mid-measure
+                 "--fleet.health-timeout-s", "10"]
             )
             procs.append(proc)
             routers[name], pids[name] = line.rsplit(" ", 1)[-1], proc.pid
