@@ -87,16 +87,14 @@ class _WorkersCollector(Collector):
         keep = self._keep
         for family in MultiProcessCollector(None, self._path).collect():
             if family.name in REPLICA_SCOPED:
-                family.samples = [
-                    s for s in family.samples if s.labels.get("replica", UNROUTED) in keep or s.labels.get("replica") == UNROUTED
-                ]
+                family.samples = [s for s in family.samples if s.labels.get("replica") in keep]
             yield family
 
 
 def render_workers(replicas: Collection[str]) -> bytes:
     """The exposition of all the workers' metrics; ``replicas``: the fleet's current ones."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_WorkersCollector(os.environ[MULTIPROC_ENV], set(replicas)))
+    registry.register(_WorkersCollector(os.environ[MULTIPROC_ENV], {*replicas, UNROUTED}))
     return generate_latest(registry)
 
 

@@ -97,6 +97,12 @@ async def test_two_workers_serve_add_up_restart_and_drain():
                     assert total(samples, "kvroute_router_workers") == 2
                     assert total(samples, "kvroute_router_worker_restarts_total") == restarts
                     assert total(samples, "kvroute_in_flight") == 0
+                    # one value per replica (the highest health; the lowest availability), but a
+                    # learned prefill rate per worker
+                    assert total(samples, "kvroute_replica_healthy") == 2
+                    assert total(samples, "kvroute_index_available") == 1
+                    rates = [labels for name, labels in samples if name == "kvroute_replica_prefill_rate"]
+                    assert len(rates) == 4 and len({dict(labels)["pid"] for labels in rates}) == 2
 
             await totals(40, 0)
 
