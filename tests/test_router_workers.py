@@ -101,6 +101,8 @@ async def test_two_workers_serve_add_up_restart_and_drain():
                     # learned prefill rate per worker
                     assert total(samples, "kvroute_replica_healthy") == 2
                     assert total(samples, "kvroute_index_available") == 1
+                    # two replicas on one host: no KV events by convention, in every worker
+                    assert total(samples, "kvroute_replica_kv_events_state", state="off") == 2
                     rates = [labels for name, labels in samples if name == "kvroute_replica_prefill_rate"]
                     assert len(rates) == 4 and len({dict(labels)["pid"] for labels in rates}) == 2
 
