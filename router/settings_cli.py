@@ -4,7 +4,7 @@ pydantic-settings names each flag's value after its Python type (``{str,None}``,
 ``list[SecretStr]``) and prints ``(default factory: list)``.  Here a value is named after what it
 is: a field's ``json_schema_extra={"metavar": ...}`` when it has one, else a rule on its type and
 name (``N``, ``SECONDS``, ``URL``, ``KEY=VALUE``); literal choices keep pydantic's ``{a,b,c}``.
-Defaults read as words (``unset``, ``none``, ``on``/``off``).  Parsing is pydantic-settings' own.
+Defaults read as words (``unset``, ``none``, ``empty``, ``on``/``off``).  Parsing is pydantic-settings' own.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ _DEFAULT_WORDS = {
     "(default factory: dict)": "(default: none)",
     "(default: [])": "(default: none)",
     "(default: {})": "(default: none)",
+    "(default: )": "(default: empty)",  # an empty string, which argparse prints as nothing
     "(default: None)": "(default: unset)",
     "(default: True)": "(default: on)",
     "(default: False)": "(default: off)",

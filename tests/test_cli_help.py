@@ -61,18 +61,21 @@ def assert_readable(help_text: str, *, exempt: tuple[str, ...] = ("-h", "--help"
     bare = [flag for flag, (_, desc) in opts.items() if not desc and flag not in exempt]
     assert not bare, f"flags without a description: {bare}"
     assert "default factory" not in help_text
+    assert "(default: )" not in help_text, "an empty default printed as nothing: say `empty`"
     for machine_path in {str(REPO), str(Path.home()), "/work/"}:
         assert machine_path not in help_text, f"--help shows a machine path ({machine_path})"
     return opts
 
 
 def test_router_help_names_values_describes_flags_and_lists_policies():
-    opts = assert_readable(kvroute("router", "--help"))
+    help_text = kvroute("router", "--help")
+    opts = assert_readable(help_text)
     assert {"--replicas", "--policy", "--tokenizer", "--fleet.health-interval-s", "--version"} <= set(opts)
     choices = opts["--policy"][0]
     assert set(choices.strip("{}").split(",")) == set(POLICIES)
     assert opts["--fleet.health-interval-s"][0] == "SECONDS"
     assert opts["--tokenizers"][0] == "MODEL=DIR|HF_ID"
+    assert "(default: empty)" in help_text  # --fleet.events-topic's empty string
 
 
 def test_the_help_check_catches_what_pydantic_settings_prints_by_default():
@@ -82,6 +85,8 @@ def test_the_help_check_catches_what_pydantic_settings_prints_by_default():
         assert_readable(stock + "  --a A  a\n  --b B  b\n  --c C  c\n")
     with pytest.raises(AssertionError, match="without a description"):
         assert_readable("options:\n  --port N   (default: 8000)\n  --a A  a\n  --b B  b\n  --c C  c\n")
+    with pytest.raises(AssertionError, match="empty default"):
+        assert_readable("options:\n  --topic TOPIC  a topic (default: )\n  --a A  a\n  --b B  b\n  --c C  c\n")
 
 
 @pytest.mark.parametrize("command", [("sim",), ("demo",), ("bench", "replay"), ("replica",)])
