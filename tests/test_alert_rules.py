@@ -22,7 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 
-R1, R2, R3, R4 = (f"http://10.0.0.{i}:8000" for i in range(1, 5))
+R1, R2, R3, R4, R5, R6 = (f"http://10.0.0.{i}:8000" for i in range(1, 7))
 ROUTER = {"job": "kvroute", "instance": "10.1.0.1:8000"}
 OTHER_ROUTER = {"job": "kvroute", "instance": "10.1.0.2:8000"}
 
@@ -90,20 +90,26 @@ CASES: dict[str, dict[str, Any]] = {
                   {"severity": "warning", "job": "kvroute", "instance": "10.1.0.1:8000"}),
         ],
     },
-    # R1 serves and its events stop at 10m; R2 serves and publishes; R3 publishes nothing and serves nothing
+    # R1 serves and its events stop at 10m; R2 serves and publishes; R3 publishes nothing and serves
+    # nothing; R5 serves and never published (followed by convention, `silent`: its applied series
+    # exist at zero, and the alert is meant to fire for it); R6 serves with events `off` (no series)
     "kv_event_stream_down": {
         "input_series": [
             series("kvroute_requests_total", {**ROUTER, "model": "a", "replica": r, "status": "200"}, "0+5x200")
-            for r in (R1, R2)
+            for r in (R1, R2, R5, R6)
         ] + [
             series("kvroute_kv_events_applied_total", {**ROUTER, "replica": R1, "type": "BlockStored"},
                    "0+20x40 800x160"),
             series("kvroute_kv_events_applied_total", {**ROUTER, "replica": R2, "type": "BlockStored"}, "0+20x200"),
             series("kvroute_kv_events_applied_total", {**ROUTER, "replica": R3, "type": "BlockStored"}, "0x200"),
+            series("kvroute_kv_events_applied_total", {**ROUTER, "replica": R5, "type": "BlockStored"}, "0x200"),
         ],
         "alert_rule_test": [
-            alert("KvrouteKvEventStreamDown", "18m"),  # 10 m of silence, not yet 5 m more
-            alert("KvrouteKvEventStreamDown", "27m", {"severity": "warning", **ROUTER, "replica": R1}),
+            # 10 m of silence for R1, not yet 5 m more; R5 silent from the start: 10 m window + 5 m
+            alert("KvrouteKvEventStreamDown", "14m", {"severity": "warning", **ROUTER, "replica": R5}),
+            alert("KvrouteKvEventStreamDown", "18m", {"severity": "warning", **ROUTER, "replica": R5}),
+            alert("KvrouteKvEventStreamDown", "27m", {"severity": "warning", **ROUTER, "replica": R1},
+                  {"severity": "warning", **ROUTER, "replica": R5}),
         ],
     },
     "kv_event_lag": {
