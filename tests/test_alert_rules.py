@@ -5,7 +5,8 @@ condition lasts and staying silent when it does not.
 tests/test_observe.py fires every alert live, against a real Prometheus scraping real routers,
 but with windows shortened to seconds and `for: 0s`; here the real durations are checked: a
 breaker that flaps between open and half-open still fires, one router's view is not enough for
-"no healthy replica", a stream that stopped is told from one that never served.  Annotations are
+"no healthy replica", a stream that stopped is told from one that never served and a `silent`
+replica (fires) from an `off` one, lasting discovery errors from a blip.  Annotations are
 left out of the copy promtool reads (docs/runbook.md's test checks them): labels are compared.
 """
 
@@ -44,6 +45,16 @@ def lag_histogram(router: dict[str, str], replica: str, late: bool) -> list[dict
         out.append(series("kvroute_kv_event_lag_seconds_bucket", {**router, "replica": replica, "le": le},
                           "0+10x100" if grows else "0x100"))
     return out
+
+
+def failing_calls(start_s: float, end_s: float, step_s: float = 15, until_s: float = 3600) -> str:
+    """A discovery error counter sampled every ``step_s``: failed calls from ``start_s`` to ``end_s``
+    at the Kubernetes source's backoff (0.5 s doubling to 30 s), then none."""
+    times, t, delay = [], start_s, 0.5
+    while t < end_s:
+        times.append(t)
+        t, delay = t + delay, min(delay * 2, 30.0)
+    return " ".join(str(sum(1 for x in times if x <= at)) for at in range(0, int(until_s) + 1, int(step_s)))
 
 
 CASES: dict[str, dict[str, Any]] = {
@@ -117,6 +128,27 @@ CASES: dict[str, dict[str, Any]] = {
         "alert_rule_test": [
             alert("KvrouteKvEventLagHigh", "8m"),  # for: 10m
             alert("KvrouteKvEventLagHigh", "16m", {"severity": "warning", **ROUTER, "replica": R1}),
+        ],
+    },
+    # the Kubernetes API refuses router 1's connections from 30 s on, at the source's backoff
+    # (capped at 30 s); router 2's fails once at 1m (a blip), then for 4 minutes from 20m (an
+    # API server restart); both start at zero (the series exist from the first scrape)
+    "discovery_errors": {
+        "input_series": [
+            series("kvroute_discovery_errors_total", {**ROUTER, "source": "k8s", "error": "connection"},
+                   failing_calls(30, 3600)),
+            series("kvroute_discovery_errors_total", {**ROUTER, "source": "k8s", "error": "api"}, "0x240"),
+            series("kvroute_discovery_errors_total", {**OTHER_ROUTER, "source": "k8s", "error": "connection"},
+                   failing_calls(60, 60.5)),
+            series("kvroute_discovery_errors_total", {**OTHER_ROUTER, "source": "k8s", "error": "api"},
+                   failing_calls(1200, 1440)),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteDiscoveryErrors", "9m"),  # errors persist, but for: 10m
+            alert("KvrouteDiscoveryErrors", "12m", {"severity": "warning", **ROUTER, "source": "k8s"}),
+            # router 2's burst: pending from 20m to 29m (its last error's window), never 10 m
+            alert("KvrouteDiscoveryErrors", "28m", {"severity": "warning", **ROUTER, "source": "k8s"}),
+            alert("KvrouteDiscoveryErrors", "45m", {"severity": "warning", **ROUTER, "source": "k8s"}),
         ],
     },
     # every lookup fails for 10 minutes: a warning, not a page

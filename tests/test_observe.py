@@ -10,7 +10,8 @@ One fleet for the module, on loopback:
   stamps its batches 30 s in the past;
 - router B (``kvroute router`` process, round_robin, a Redis URL where nothing listens) in front of
   6 emulated replicas of ``tiny-rr``;
-- router C (round_robin, no Redis) in front of one emulated replica of ``solo``;
+- router C (round_robin, no Redis) in front of one emulated replica of ``solo``, also watching
+  Kubernetes pods through a kubeconfig whose API server refuses connections;
 - Prometheus (Debian's ``prometheus``) scraping the routers and the emulated replicas each
   second, with ``deploy/prometheus/alerts.yml`` loaded (its windows shortened to seconds and its
   ``for`` durations to zero, so the alerts can fire within the test; thresholds unchanged);
@@ -20,10 +21,11 @@ One fleet for the module, on loopback:
 
 Each alert is made to fire by the condition it names: round-robin routing of sessions leaves
 delivered reuse far below available (``tiny-rr``), routing a hot prefix to its holder concentrates
-``hot`` on one replica, router B's Redis is unreachable (a warning), ``broken`` answers 5xx and its
-breaker keeps opening, its KV-event stream has gaps, ``lagging``'s events arrive late; the last
-tests stop ``quiet``'s publisher (stream down), kill ``solo`` (no healthy replica) and stop router C
-(target down).  Where a condition is absent, its alert must stay silent.
+``hot`` on one replica, router B's Redis is unreachable (a warning), so is router C's Kubernetes
+API, ``broken`` answers 5xx and its breaker keeps opening, its KV-event stream has gaps,
+``lagging``'s events arrive late; the last tests stop ``quiet``'s publisher (stream down), kill
+``solo`` (no healthy replica) and stop router C (target down).  Where a condition is absent, its
+alert must stay silent.
 Every dashboard query is evaluated with Grafana's "All" for each variable, and with each of
 ``$namespace``, ``$job``, ``$replica`` set to a value nothing has (every query then comes back empty).
 
@@ -75,7 +77,8 @@ ALERT_TIMEOUT_S = 60.0
 # the alerts of deploy/prometheus/alerts.yml, each made to fire by its condition below
 EXPECTED_ALERTS = ("KvrouteDeliveredReuseLow", "KvrouteReplicaShareHigh", "KvrouteRedisErrors", "KvrouteRouter5xx",
                    "KvrouteKvEventGaps", "KvrouteIndexRebuilt", "KvrouteNoHealthyReplica", "KvrouteRouterTargetDown",
-                   "KvrouteBreakerOpen", "KvrouteKvEventStreamDown", "KvrouteKvEventLagHigh")
+                   "KvrouteBreakerOpen", "KvrouteKvEventStreamDown", "KvrouteKvEventLagHigh",
+                   "KvrouteDiscoveryErrors")
 RUNBOOK = REPO / "docs" / "runbook.md"
 
 
@@ -176,13 +179,13 @@ class Prometheus:
 
 
 class RouterProcess:
-    def __init__(self, name: str, args: list[str], log_path: Path):
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.name = name
         self.log_path = log_path
         self.log = log_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self.log, cwd=str(REPO), text=True,
+            stdout=subprocess.PIPE, stderr=self.log, cwd=str(REPO), text=True, env={**os.environ, **(env or {})},
         )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
@@ -480,6 +483,18 @@ async def _make_publisher(**kwargs: Any) -> StubPublisher:
     return StubPublisher(**kwargs)  # its socket belongs to the loop thread
 
 
+def refused_kubeconfig(workdir: Path) -> Path:
+    """A kubeconfig (JSON is YAML) whose API server is a free loopback port nobody listens on."""
+    path = workdir / "kubeconfig-refused"
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "refused",
+        "clusters": [{"name": "refused", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}],
+        "users": [{"name": "router", "user": {"token": "unused"}}],
+        "contexts": [{"name": "refused", "context": {"cluster": "refused", "user": "router", "namespace": "llm"}}],
+    }))
+    return path
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory):
     _binary("prometheus")
@@ -523,9 +538,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
                                        "--index-timeout-s", "0.05", "--replicas", ",".join(urls["tiny-rr"])],
                                  workdir / "router-b.log")
         routers.append(router_b)
-        # router C fronts `solo` alone: the replica dies in one test, the router in another
-        router_c = RouterProcess("C", [*common, "--policy", "round_robin", "--replicas", urls["solo"][0]],
-                                 workdir / "router-c.log")
+        # router C fronts `solo` alone: the replica dies in one test, the router in another; it also
+        # watches Kubernetes pods, through an API server that refuses connections (discovery errors)
+        router_c = RouterProcess("C", [*common, "--policy", "round_robin", "--replicas", urls["solo"][0],
+                                       "--fleet.k8s-selector", "app=vllm", "--fleet.discovery-timeout-s", "0.5"],
+                                 workdir / "router-c.log", env={"KUBECONFIG": str(refused_kubeconfig(workdir))})
         routers.append(router_c)
         for r in routers:
             r.wait_ready()
@@ -717,17 +734,21 @@ def test_each_alert_inner_expression_returns_data(fleet: Fleet):
 
 
 def test_each_alert_fires_by_its_condition(fleet: Fleet):
-    a, b = fleet.router_a.instance, fleet.router_b.instance
+    a, b, c = fleet.router_a.instance, fleet.router_b.instance, fleet.router_c.instance
     expected: dict[str, Matcher] = {
         "KvrouteDeliveredReuseLow": lambda lab: lab.get("model") == "tiny-rr",  # round-robin sessions
         "KvrouteReplicaShareHigh": lambda lab: lab.get("model") == "hot",  # a hot prefix stays on its holder
         "KvrouteRedisErrors": lambda lab: lab.get("instance") == b,  # router B's Redis does not exist
         "KvrouteRouter5xx": lambda lab: lab.get("model") == "broken",  # its only replica answers 500
         "KvrouteBreakerOpen": lambda lab: lab.get("replica") == fleet.replicas["broken"][0],  # ... every time
+        # router C's Kubernetes API refuses connections (the errors come at its backoff, 30 s apart
+        # at most, so the 10 s window holds one for a third of the time: seen within the timeout)
+        "KvrouteDiscoveryErrors": lambda lab: lab.get("instance") == c and lab.get("source") == "k8s",
     }
     # where the condition is absent the alert must not fire: a reachable Redis, models without errors
     unexpected: dict[str, Matcher] = {
         "KvrouteRedisErrors": lambda lab: lab.get("instance") == a,
+        "KvrouteDiscoveryErrors": lambda lab: lab.get("instance") in (a, b),  # they watch no API
         "KvrouteRouter5xx": lambda lab: lab.get("model") in ("tiny", "hot", "tiny-rr"),
         "KvrouteDeliveredReuseLow": lambda lab: lab.get("model") in ("tiny", "hot"),  # cost_model follows the cache
         "KvrouteReplicaShareHigh": lambda lab: lab.get("model") == "tiny-rr",  # round-robin spreads evenly
@@ -741,6 +762,9 @@ def test_each_alert_fires_by_its_condition(fleet: Fleet):
     severities = {r["alert"]: r["labels"]["severity"] for g in yaml.safe_load(ALERTS.read_text())["groups"]
                   for r in g["rules"] if "alert" in r}
     assert severities["KvrouteRedisErrors"] == "warning" and severities["KvrouteNoHealthyReplica"] == "critical"
+    assert severities["KvrouteDiscoveryErrors"] == "warning"  # the last listing still routes
+    refused = fleet.prometheus.query(f'kvroute_discovery_errors_total{{instance="{c}",error="connection"}}')
+    assert numeric(refused) and numeric(refused)[0] > 0, refused
     assert fleet.summary["alerts"]["KvrouteRedisErrors"]["severity"] == "warning"
 
 
