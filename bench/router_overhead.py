@@ -114,8 +114,9 @@ def process_cpu_s(pid: int, *, children: bool = True) -> float:
     return own + sum(process_cpu_s(kid) for kid in kids)
 
 
-async def spawn(args: list[str]) -> tuple[asyncio.subprocess.Process, str]:
-    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, cwd=str(REPO))
+async def spawn(args: list[str], repo: Path = REPO) -> tuple[asyncio.subprocess.Process, str]:
+    env = {**os.environ, "PYTHONPATH": str(repo)} if repo != REPO else None
+    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, cwd=str(repo), env=env)
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
     if not line:
@@ -179,6 +180,19 @@ async def under_load(client: Client, url: str, case: Case, n: int, concurrency: 
     return n / (time.perf_counter() - t0)
 
 
+async def router_time(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """kvroute's ``kvroute_router_added_latency_seconds`` (sum, count): time from a request's
+    arrival to its upstream send, as the router itself clocks it."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("kvroute_router_added_latency_seconds_sum", "kvroute_router_added_latency_seconds_count"):
+            found[name.rsplit("_", 1)[-1]] = float(value)
+    return found.get("sum", 0.0), found.get("count", 0.0)
+
+
 def p50_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3
 
@@ -231,17 +245,20 @@ async def run(args: argparse.Namespace) -> dict:
         urls = urls_line.split()
         routers: dict[str, str] = {}
         pids = {"replicas": rep_proc.pid}
-        # kvroute, and the same router as several processes on one port (--workers)
-        for workers in (1, *args.workers):
-            name = "kvroute" if workers == 1 else f"kvroute_{workers}_workers"
+        # kvroute, the same router as several processes on one port (--workers), and the router of
+        # each other checkout (--compare: a change's before and after, measured in the same rounds)
+        variants = [*(("kvroute" if w == 1 else f"kvroute_{w}_workers", REPO, w) for w in (1, *args.workers)),
+                    *((f"kvroute@{Path(c).name}", Path(c).resolve(), 1) for c in args.compare)]
+        for name, repo, workers in variants:
             port = "0" if workers == 1 else str(free_port())
             proc, line = await spawn(
                 [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", port, "--replicas", ",".join(urls),
                  "--tokenizer", str(TOKENIZER), "--policy", "cost_model", "--log-level", "warning",
-                 "--max-in-flight", "4096", "--workers", str(workers),
+                 "--max-in-flight", "4096", *(["--workers", str(workers)] if repo == REPO else []),
                  # the replicas' one process is saturated at c=64 on a shared machine: a probe
                  # timing out at 1 s would take them all out of the fleet mid-measure
-                 "--fleet.health-timeout-s", "10"]
+                 "--fleet.health-timeout-s", "10"],
+                repo,
             )
             procs.append(proc)
             routers[name], pids[name] = line.rsplit(" ", 1)[-1], proc.pid
@@ -295,12 +312,17 @@ async def measure_all(
             for url in (urls[0], *routers.values()):
                 await client.latency(url, multi_turn(-1 - i))
                 await client.latency(url, never_seen(-1 - i))
+        own = [name for name in routers if name.startswith("kvroute")]
         for n_case, case in enumerate(cases):
             out: dict = {name: {} for name in (*routers, *floors)}
+            before = {name: await router_time(session, routers[name]) for name in own}
             d, r = await side_by_side(args.requests, case, urls[0], routers, client.latency)
             for name in routers:
                 out[name].update(direct_p50_ms=p50_ms(d), routed_p50_ms=p50_ms(r[name]),
                                  added_p50_ms=p50_ms(r[name]) - p50_ms(d))
+            for name in own:  # the router's own count: robust to a busy machine, unlike the p50s
+                (s0, n0), (s1, n1) = before[name], await router_time(session, routers[name])
+                out[name]["in_router_mean_ms"] = (s1 - s0) / max(1, n1 - n0) * 1e3
             d, r = await side_by_side(args.requests, case, urls[0], routers, client.first_chunk)
             for name in routers:
                 out[name].update(direct_first_chunk_p50_ms=p50_ms(d), routed_first_chunk_p50_ms=p50_ms(r[name]),
@@ -335,8 +357,12 @@ async def measure_all(
 
 
 async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: int) -> dict[str, dict[str, float]]:
-    """Microseconds per stage of the routing pipeline, in this process, for both prompts."""
-    from router.blocks import namespace_seed
+    """Microseconds per stage of the routing pipeline, in this process, for both prompts: the
+    stages on the request's path (a long new prompt is tokenized and hashed as far as its head),
+    then, apart, what is finished after the request left (the rest of the prompt and its chain,
+    the whole chain's prediction, reuse accounting): ``rest`` is also how long after the decision
+    the whole chain's prediction is recorded."""
+    from router.blocks import chain_from_bytes, namespace_seed
     from router.chain_memo import ChainMemo
     from router.index.base import ReplicaSpec
     from router.index.memory import MemoryIndex
@@ -350,13 +376,14 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
     tok = Tokenizer.from_dir(TOKENIZER)
     seed = namespace_seed(MODEL)
     out: dict[str, dict[str, float]] = {}
+    on_path = ("parse", "render", "tokenize", "hash", "index_lookup", "policy", "index_record")
     for case in ("multi_turn_16k_seen", "new_16k_unseen"):
         index, memo, reuse, load = MemoryIndex(), ChainMemo(), ReuseTracker(), LoadTracker()
         policy = make_policy("cost_model")
         names = [f"r{i}" for i in range(4)]
         for name in names:
             await index.add_replica(ReplicaSpec(name, 200_000))
-        times = dict.fromkeys(("parse", "render", "tokenize", "hash", "index_lookup", "policy", "index_record", "reuse"), 0.0)
+        times = dict.fromkeys((*on_path, "rest", "rest_record", "reuse"), 0.0)
         for i in range(-3, n):  # three warm-up rounds, as the live router has seen earlier turns
             msgs = ([*history, {"role": "user", "content": f"And question number {i}, briefly?"}]
                     if case.startswith("multi") else [{"role": "user", "content": fresh()}])
@@ -366,7 +393,9 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
             t1 = time.perf_counter()
             text = tok.render_chat(msgs)
             t2 = time.perf_counter()
-            data = await tok.aencode_bytes(text)  # the token ids as the bytes hashing reads, as the router does
+            encoded = await tok.aencode_head(text)  # as the router does: the head of a long new prompt
+            head = None if isinstance(encoded, bytes) else encoded
+            data = encoded if head is None else head.data
             t3 = time.perf_counter()
             chain = memo.chain(data, 16, seed)
             t4 = time.perf_counter()
@@ -377,17 +406,26 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
             t6 = time.perf_counter()
             await index.record_prediction(decision.replica, chain)
             t7 = time.perf_counter()
-            reuse.observe(MODEL, chain, np.frombuffer(data, dtype="<u4"), 16, seed)
+            if head is not None:  # the router's PromptRest: on the pool, then the whole prediction
+                known = len(chain) * 16 * 4
+                data = await tok.run(head.finish)
+                chain = chain + chain_from_bytes(memoryview(data)[known:], 16, chain[-1] if chain else seed)
             t8 = time.perf_counter()
+            if head is not None:
+                await index.record_prediction(decision.replica, chain)
+                memo.learn(data, chain, 16, seed)
+            t9 = time.perf_counter()
+            reuse.observe(MODEL, chain, np.frombuffer(data, dtype="<u4"), 16, seed)
+            t10 = time.perf_counter()
             # spread the conversation over the replicas, as concurrency 64 does
             await index.record_prediction(names[i % 4], chain)
             if i >= 0:
                 for key, a, b in (("parse", t0, t1), ("render", t1, t2), ("tokenize", t2, t3), ("hash", t3, t4),
                                   ("index_lookup", t4, t5), ("policy", t5, t6), ("index_record", t6, t7),
-                                  ("reuse", t7, t8)):
+                                  ("rest", t7, t8), ("rest_record", t8, t9), ("reuse", t9, t10)):
                     times[key] += b - a
         out[case] = {k: v / n * 1e6 for k, v in times.items()}
-        out[case]["total"] = sum(out[case].values())
+        out[case]["total_on_path"] = sum(out[case][k] for k in on_path)
         out[case]["tokens"] = float(len(data) // 4)
     return out
 
@@ -395,6 +433,7 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
 def print_table(results: dict) -> None:
     rows = [
         ("added p50 latency, unloaded (ms)", "added_p50_ms"),
+        ("  in the router, mean (ms)", "in_router_mean_ms"),
         ("  direct / routed p50 (ms)", ("direct_p50_ms", "routed_p50_ms")),
         ("added time to first chunk, p50 (ms)", "added_first_chunk_p50_ms"),
         ("  direct / routed first chunk p50 (ms)", ("direct_first_chunk_p50_ms", "routed_first_chunk_p50_ms")),
@@ -412,13 +451,18 @@ def print_table(results: dict) -> None:
             cells = []
             for n in names:
                 c = results["cases"][n][router]
-                cells.append(" / ".join(f"{c[k]:.2f}" for k in key) if isinstance(key, tuple) else f"{c[key]:.2f}")
-            print(f"  {label:38}" + "".join(f"{x:>24}" for x in cells))
+                if isinstance(key, tuple):
+                    cells.append(" / ".join(f"{c[k]:.2f}" for k in key))
+                else:
+                    cells.append(f"{c[key]:.2f}" if key in c else "")
+            if any(cells):
+                print(f"  {label:38}" + "".join(f"{x:>24}" for x in cells))
     if "sglang" in results["routers"]:
-        print("kvroute / sglang CPU per request")
-        ratios = (results["cases"][n]["kvroute"]["router_cpu_us_per_request"]
-                  / results["cases"][n]["sglang"]["router_cpu_us_per_request"] for n in names)
-        print(f"  {'':38}" + "".join(f"{x:>23.2f}x" for x in ratios))
+        for router in (r for r in results["routers"] if r.startswith("kvroute")):
+            print(f"{router} / sglang CPU per request")
+            ratios = (results["cases"][n][router]["router_cpu_us_per_request"]
+                      / results["cases"][n]["sglang"]["router_cpu_us_per_request"] for n in names)
+            print(f"  {'':38}" + "".join(f"{x:>23.2f}x" for x in ratios))
     for floor in results.get("floors", ()):
         print(FLOOR_LABELS.get(floor, floor))
         cells = (f"{results['cases'][n][floor]['router_cpu_us_per_request']:.2f}" for n in names)
@@ -447,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run kvroute with these --workers counts (comma-separated), measured beside it")
     p.add_argument("--sglang-python", default=None,
                    help="a Python with sglang-router installed (default: .venv-sglang's, if present)")
+    p.add_argument("--compare", action="append", default=[], metavar="CHECKOUT",
+                   help="also run the router of another checkout of kvroute (e.g. a worktree of main), "
+                        "measured in the same interleaved rounds: a change's before and after in one run")
     args = p.parse_args(argv)
     results = asyncio.run(run(args))
     rng = np.random.default_rng(args.seed)

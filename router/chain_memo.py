@@ -24,6 +24,10 @@ from .blocks import chain_from_bytes
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
+def _first_key(block_size: int, seed: int) -> int:
+    return _xxh3(b"kvroute-span-%d" % block_size, seed)
+
+
 class ChainMemo:
     def __init__(self, span_blocks: int = 64, max_spans: int = 8192):
         if span_blocks < 1 or max_spans < 0:
@@ -45,7 +49,7 @@ class ChainMemo:
             return chain_from_bytes(data, block_size, seed)
         spans = self._spans
         view = memoryview(data)
-        key = _xxh3(b"kvroute-span-%d" % block_size, seed)
+        key = _first_key(block_size, seed)
         out: list[int] = []
         parent = seed
         done = 0
@@ -65,13 +69,28 @@ class ChainMemo:
         # From the first missing span on: hash block by block, remember the new full spans.
         rest = chain_from_bytes(view[done * step :], block_size, parent)
         out.extend(rest)
-        per_span = self.span_blocks
-        for j in range(done, n_spans):
-            if j > done:
-                key = _xxh3(view[j * step : (j + 1) * step], key)
-            first = (j - done) * per_span
-            spans[key] = rest[first : first + per_span]
+        self._remember(view, step, key, done, n_spans, rest)
         self.misses += n_spans - done
+        return out
+
+    def learn(self, data: bytes, chain: list[int], block_size: int, seed: int) -> None:
+        """Remember the spans of ``data``'s chain hashed elsewhere (a prompt routed on its head
+        and finished off the loop), so that its next turn reuses them."""
+        step = block_size * 4 * self.span_blocks
+        n_spans = len(data) // step
+        if n_spans == 0 or self.max_spans == 0 or len(chain) < n_spans * self.span_blocks:
+            return
+        view = memoryview(data)
+        self._remember(view, step, _xxh3(view[:step], _first_key(block_size, seed)), 0, n_spans, chain)
+
+    def _remember(self, view: memoryview, step: int, key: int, first: int, n_spans: int, hashes: list[int]) -> None:
+        """Spans ``first``..``n_spans`` of ``view`` (``key``: span ``first``'s), ``hashes`` from span ``first`` on."""
+        spans = self._spans
+        per_span = self.span_blocks
+        for j in range(first, n_spans):
+            if j > first:
+                key = _xxh3(view[j * step : (j + 1) * step], key)
+            start = (j - first) * per_span
+            spans[key] = hashes[start : start + per_span]
         while len(spans) > self.max_spans:
             spans.popitem(last=False)
-        return out

@@ -5,6 +5,12 @@ tokenize -> block chain (seed: model, LoRA adapter, cache_salt) -> the routing s
 prediction and the load) -> an immutable :class:`RouteDecision`.  The app forwards it through the
 proxy and reports back: ``reroute`` (failed before the first byte), ``first_token``, ``report``.
 
+A long new prompt is routed on its head (router/tokens/head.py): its first ids, exact, grown
+while some replica holds every block of them, so the decision is the one the whole chain would
+give.  The rest is encoded and hashed on the tokenizer's pool once the request is on its way
+(:class:`PromptRest`); the whole chain's prediction is then recorded for the replica the request
+went to, and the reuse accounting waits for it.
+
 Tokens: the model's own tokenizer and chat template when one is configured (exact block
 hashes).  Without one the router still routes cache-aware, approximately: the prompt's UTF-8
 bytes are cut into 4-byte words used as pseudo tokens (about one real token each in English), so
@@ -31,7 +37,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .blocks import namespace_seed, token_bytes
+from .blocks import chain_from_bytes, namespace_seed, token_bytes
 from .chain_memo import ChainMemo
 from .config import RouterSettings
 from .errors import ApiError
@@ -44,7 +50,7 @@ from .policy.base import Policy, ReplicaState, RouteRequest
 from .proxy import Outcome
 from .requests import ParsedRequest, prompt_batch
 from .reuse import ReuseTracker
-from .tokens import ClientTemplateRefused, PromptTooLong, TokenizerError, TokenizerRegistry
+from .tokens import ClientTemplateRefused, PromptHead, PromptTooLong, Tokenizer, TokenizerError, TokenizerRegistry
 
 log = logging.getLogger("kvroute.router")
 
@@ -129,9 +135,38 @@ class Prompt:
     """What routing computed from the request body."""
 
     data: list[bytes]  # per prompt of the batch: its token ids as uint32 little-endian bytes
-    tokens: int
+    tokens: int  # estimated while ``head`` is set
     text: str
     exact: bool  # tokenized with the model's own tokenizer
+    head: PromptHead | None = None  # a long new prompt: ``data`` holds its first ids only
+    tokenizer: Tokenizer | None = None  # the head's, which finishes it
+
+
+class PromptRest:
+    """The rest of a prompt routed on its head, finished on the tokenizer's pool: shared by a
+    decision and its failovers (``replica``: where the request went last)."""
+
+    __slots__ = ("replica", "data", "chain", "finished", "_waiting")
+
+    def __init__(self, replica: str):
+        self.replica = replica
+        self.data: bytes | None = None  # the whole prompt's ids; None until finished, or if it failed
+        self.chain: list[int] | None = None
+        self.finished = False
+        self._waiting: list[Any] = []
+
+    def then(self, callback: Any) -> None:
+        """``callback()`` once finished (now, if it is)."""
+        if self.finished:
+            callback()
+        else:
+            self._waiting.append(callback)
+
+    def finish(self, data: bytes | None, chain: list[int] | None) -> None:
+        self.data, self.chain, self.finished = data, chain, True
+        for callback in self._waiting:
+            callback()
+        self._waiting.clear()
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +190,7 @@ class RouteDecision:
     predicted_blocks: int  # what the policy believed the replica held
     tried: tuple[str, ...] = ()  # replicas that failed before the first byte
     additions: Mapping[str, Any] = field(default_factory=dict)  # body fields routing adds upstream
+    rest: PromptRest | None = None  # a prompt routed on its head: the whole of it, once finished
 
 
 class Router:
@@ -194,6 +230,7 @@ class Router:
         )
         self._approx_warned: set[str] = set()
         self._reports_cached: set[str] = set()  # replicas known to fill usage.prompt_tokens_details
+        self._finishing: set[asyncio.Task[None]] = set()  # prompts being finished on the pool
 
     # -- the decision -----------------------------------------------------------------------
     async def route(
@@ -231,7 +268,7 @@ class Router:
             prompt = await self._tokenize(parsed, model, base, per_prompt)
         except PromptTooLong as exc:
             prompt_too_long(parsed, str(exc))
-        if limit is not None and prompt.tokens > limit:
+        if limit is not None and prompt.tokens > limit and prompt.head is None:  # a head's bound was checked
             prompt_too_long(parsed, f"prompt is {prompt.tokens} tokens long, more than the limit of {limit}")
         block_size = self.fleet.block_size(model)
         seed = namespace_seed(base, lora, salt)
@@ -245,8 +282,23 @@ class Router:
             now=time.monotonic(),
         )
         load_key = f"{request_id}#{next(self._ids)}"  # client ids may repeat; load keys must not
-        decision = await self.placement.place(route, self._snapshot(replicas), load_key, chains)
+        more = None
+        if prompt.head is not None:
+            head, tok = prompt.head, prompt.tokenizer
+
+            async def more() -> list[int] | None:
+                if not await tok.agrow(head):
+                    return None
+                route.prompt_tokens = head.tokens_estimate
+                return self.chains.chain(head.data, block_size, seed)
+
+        decision = await self.placement.place(route, self._snapshot(replicas), load_key, None if more else chains, more)
         self.metrics.decision(decision.reason)
+        rest = None
+        if prompt.head is not None:
+            rest = PromptRest(decision.replica)
+            chains = (route.chain,)  # as far as it was grown
+            asyncio.get_running_loop().call_soon(self._finish, prompt, rest, route.chain, block_size, seed)
         return RouteDecision(
             request_id=request_id,
             load_key=load_key,
@@ -260,7 +312,34 @@ class Router:
             reason=decision.reason,
             predicted_blocks=decision.matched_blocks,
             additions=additions,
+            rest=rest,
         )
+
+    def _finish(self, prompt: Prompt, rest: PromptRest, chain: list[int], block_size: int, seed: int) -> None:
+        """Encode and hash the rest of a prompt routed on its head (on the pool, after the request
+        left), then record the whole chain's prediction where the request went."""
+        task = asyncio.create_task(self._finish_rest(prompt, rest, chain, block_size, seed))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _finish_rest(self, prompt: Prompt, rest: PromptRest, chain: list[int], block_size: int, seed: int) -> None:
+        head, tok = prompt.head, prompt.tokenizer
+        assert head is not None and tok is not None
+        known = len(chain) * block_size * 4
+
+        def whole() -> tuple[bytes, list[int]]:
+            data = head.finish()
+            return data, chain + chain_from_bytes(memoryview(data)[known:], block_size, chain[-1] if chain else seed)
+
+        try:
+            data, full = await tok.run(whole)
+        except Exception:  # noqa: BLE001 - routing is done: the rest only feeds predictions and metrics
+            log.exception("finishing a prompt routed on its head failed")
+            rest.finish(None, None)
+            return
+        self.placement.index.record_prediction(rest.replica, full)
+        self.chains.learn(data, full, block_size, seed)
+        rest.finish(data, full)
 
     def reroute(self, decision: RouteDecision) -> RouteDecision | None:
         """``decision.replica`` failed before the first byte: the next best replica's decision, or
@@ -274,6 +353,10 @@ class Router:
             return None
         chosen = self.placement.commit(decision.route, self._snapshot(replicas), decision.load_key, decision.chains)
         self.metrics.decision("failover")
+        if decision.rest is not None:
+            decision.rest.replica = chosen.replica
+            if decision.rest.chain:
+                self.placement.index.record_prediction(chosen.replica, decision.rest.chain)
         return replace(
             decision, replica=chosen.replica, reason="failover", predicted_blocks=chosen.matched_blocks, tried=tried
         )
@@ -309,9 +392,8 @@ class Router:
                     extra = body.get("chat_template_kwargs")
                     text = await tok.arender_chat(messages, client_templates=self.tokenizers.client_templates,
                                                   template_kwargs=extra if isinstance(extra, Mapping) else None, **kwargs)
-                    data = await tok.aencode_bytes(text, add_special_tokens=bool(body.get("add_special_tokens", False)),
-                                                   max_tokens=limit)
-                    return Prompt([data], len(data) // 4, text if want_text else "", exact=True)
+                    add_special = bool(body.get("add_special_tokens", False))
+                    return self._prompt(tok, text, await self._encode(tok, text, add_special, limit), want_text)
                 except ClientTemplateRefused as exc:
                     raise ApiError(exc.status, str(exc), param="chat_template", code=exc.code) from None
                 except (TokenizerError, TypeError, ValueError) as exc:
@@ -322,10 +404,15 @@ class Router:
             return Prompt([data], len(data) // 4, text if want_text else "", exact=False)
 
         prompts = prompt_batch(body["prompt"])
+        add_special = bool(body.get("add_special_tokens", True))
+        if tok is not None and len(prompts) == 1 and isinstance(prompts[0], str):
+            try:
+                return self._prompt(tok, prompts[0], await self._encode(tok, prompts[0], add_special, limit), want_text)
+            except (TokenizerError, TypeError, ValueError) as exc:
+                log.debug("model %s: prompt not tokenized (%s); hashing its text instead", model, exc)
         out: list[bytes] = []
         texts: list[str] = []
         exact = True
-        add_special = bool(body.get("add_special_tokens", True))
         for p in prompts:
             if isinstance(p, list):
                 out.append(token_bytes(p))  # token ids: exact whatever the tokenizer
@@ -341,6 +428,23 @@ class Router:
             out.append(approximate_token_bytes(p))
             exact = False
         return Prompt(out, sum(len(data) for data in out) // 4, "\n".join(texts) if want_text else "", exact)
+
+    @staticmethod
+    async def _encode(tok: Tokenizer, text: str, add_special: bool, limit: int | None) -> bytes | PromptHead:
+        """The prompt's ids, or its head when it is long and new and cannot be over ``limit``
+        (a head's length is not known before routing: its bound must be under the limit)."""
+        if limit is not None:
+            bound = tok.tokens_at_most(text, add_special_tokens=add_special)
+            if bound is None or bound > limit:
+                return await tok.aencode_bytes(text, add_special_tokens=add_special, max_tokens=limit)
+        return await tok.aencode_head(text, add_special_tokens=add_special, max_tokens=limit)
+
+    @staticmethod
+    def _prompt(tok: Tokenizer, text: str, encoded: bytes | PromptHead, want_text: bool) -> Prompt:
+        shown = text if want_text else ""
+        if isinstance(encoded, PromptHead):
+            return Prompt([encoded.data], encoded.tokens_estimate, shown, exact=True, head=encoded, tokenizer=tok)
+        return Prompt([encoded], len(encoded) // 4, shown, exact=True)
 
     def _warn_approximate(self, model: str, tok: object) -> None:
         if tok is None and model not in self._approx_warned:
@@ -365,19 +469,27 @@ class Router:
         self.load.on_finished(decision.load_key)
         self.metrics.requests.labels(decision.model, outcome.replica or decision.replica, str(outcome.status)).inc()
         if 200 <= outcome.status < 300:
-            asyncio.get_running_loop().call_soon(self._account, decision, outcome)
+            if decision.rest is not None:  # a prompt routed on its head: accounted once whole
+                decision.rest.then(lambda: self._account(decision, outcome))
+            else:
+                asyncio.get_running_loop().call_soon(self._account, decision, outcome)
 
     def _account(self, decision: RouteDecision, outcome: Outcome) -> None:
         """The hit-rate breakdown, for answered requests only: the figures share one denominator."""
         m = self.metrics.model(decision.model)
         block_size = decision.route.block_size
-        m.prompt_tokens.inc(decision.prompt.tokens)
-        m.reuse_available.inc(self._observe_reuse(decision) * block_size)
+        chains, data = decision.chains, decision.prompt.data
+        rest = decision.rest
+        if rest is not None and rest.data is not None and rest.chain is not None:
+            chains, data = (rest.chain,), [rest.data]
+        tokens = len(data[0]) // 4 if data is not decision.prompt.data else decision.prompt.tokens
+        m.prompt_tokens.inc(tokens)
+        m.reuse_available.inc(self._observe_reuse(decision, chains, data) * block_size)
         m.reuse_predicted.inc(decision.predicted_blocks * block_size)
         cached = self.cached_tokens(outcome)
         if cached is not None:
             m.reuse_delivered.inc(cached)
-            m.reuse_measured_prompt.inc(decision.prompt.tokens)
+            m.reuse_measured_prompt.inc(tokens)
 
     def cached_tokens(self, outcome: Outcome) -> int | None:
         """Cached prompt tokens the engine reported, or None if it does not report them.
@@ -394,12 +506,12 @@ class Router:
             return usage.cached_tokens
         return 0 if replica in self._reports_cached else None
 
-    def _observe_reuse(self, decision: RouteDecision) -> int:
+    def _observe_reuse(self, decision: RouteDecision, chains: Sequence[list[int]], datas: Sequence[bytes]) -> int:
         """Available blocks over the batch; flags a cache-hostile prompt."""
         available = 0
         hostile = False
         block_size = decision.route.block_size
-        for chain, data in zip(decision.chains, decision.prompt.data):
+        for chain, data in zip(chains, datas):
             ids = np.frombuffer(data, dtype="<u4")
             seen = self.reuse.observe(decision.model, chain, ids, block_size, decision.seed)
             available += seen.available_blocks

@@ -535,3 +535,127 @@ async def test_a_large_chat_renders_and_tokenizes_on_the_pool(reference):
         assert pool.submitted == 2  # the render, then the long text's split + encode
     finally:
         pool.shutdown()
+
+
+# ------------------------------------------------------------------ a prompt's head (router/tokens/head.py)
+
+HEAD_FRAGMENTS = ["the", " router", " keeps", "  ", " ", "\n", "\n\n", ".", ",\n", "'s", " 42", "1", "\r\n", " \t",
+                  " café", " 東京", "é", "\t", "!!", " ok", "<|im_end|>", "\u00a0", "e\u0301"]
+
+
+def _long_text(seed: int, fragments: list[str], n_chars: int) -> str:
+    """A text of about ``n_chars`` from ``fragments`` in an order the seed picks."""
+    import random
+
+    rng = random.Random(seed)
+    out, size = [], 0
+    while size < n_chars:
+        piece = rng.choice(fragments)
+        out.append(piece)
+        size += len(piece)
+    return "".join(out)
+
+
+_HEAD_TOK: list[Tokenizer] = []
+HEAD_PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def fresh_tok() -> Tokenizer:
+    """The tiny tokenizer with an empty segment cache (loaded once: loading costs ~0.1 s)."""
+    if not _HEAD_TOK:
+        _HEAD_TOK.append(Tokenizer.from_dir(ASSET))
+    _HEAD_TOK[0].cache.clear()
+    return _HEAD_TOK[0]
+
+
+async def _head_then_whole(tok: Tokenizer, text: str, grows: int, add_special_tokens: bool = False) -> tuple[bytes, bytes]:
+    """(the head's ids after ``grows`` grows, the whole prompt's ids) as the router gets them."""
+    from router.tokens import PromptHead
+
+    found = await tok.aencode_head(text, add_special_tokens=add_special_tokens)
+    if not isinstance(found, PromptHead):  # no long new segment (special tokens every few words)
+        return found, found
+    for _ in range(grows):
+        await tok.agrow(found)
+    return found.data, await tok.afinish(found)
+
+
+@HEAD_PROPERTY
+@given(seed=st.integers(0, 2**32), fragments=st.lists(st.sampled_from(HEAD_FRAGMENTS), min_size=1, max_size=8),
+       grows=st.integers(0, 3), cut=st.integers(300, 5000))
+def test_a_head_and_its_rest_are_exactly_the_whole_encoding(reference, seed, fragments, grows, cut):
+    """Byte-level BPE (NFC, the tiny tokenizer): the head's ids are the first ids of encoding the
+    text whole, at any cut and after any grows, and finishing gives all of them."""
+    from router.blocks import token_bytes
+    from router.tokens.head import HEAD_WINDOW
+    from router.tokens.long_text import encode_head
+
+    text = _long_text(seed, [*fragments, " word"], 6000)
+    whole = reference.encode(text, add_special_tokens=False).ids
+    encode = lambda texts: reference.encode_batch(texts, add_special_tokens=False)  # noqa: E731
+    found = encode_head(encode, text, cut, HEAD_WINDOW)
+    if found is not None:
+        at, ids = found
+        assert ids == whole[: len(ids)] and ids + reference.encode(text[at:], add_special_tokens=False).ids == whole
+    tok = fresh_tok()  # a cold segment cache: the text is new
+    head, full = asyncio.run(_head_then_whole(tok, text, grows))
+    assert full == token_bytes(whole) and full.startswith(head)
+    assert asyncio.run(tok.aencode_bytes(text)) == full  # and it is cached as whole-string encoding caches it
+
+
+@HEAD_PROPERTY
+@given(seed=st.integers(0, 2**32), turns=st.integers(0, 4), long_turn=st.integers(0, 4), generation=st.booleans())
+def test_a_chat_with_a_long_new_turn_is_exact_through_its_head(reference, seed, turns, long_turn, generation):
+    """The chat template around it: cached turns before the long new one, new short ones after."""
+    from router.blocks import token_bytes
+
+    tok = fresh_tok()
+    chat = [{"role": "system", "content": "You are terse."}]
+    for i in range(turns + 1):
+        content = _long_text(seed + i, HEAD_FRAGMENTS[:-3], 5000) if i == min(long_turn, turns) else f"turn {i} é"
+        chat.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+    text = tok.render_chat(chat, add_generation_prompt=generation)
+    tok.encode(tok.render_chat(chat[: 1 + min(long_turn, turns)], add_generation_prompt=False))  # turns before: seen
+    whole = reference.encode(text, add_special_tokens=False).ids
+    head, full = asyncio.run(_head_then_whole(tok, text, seed % 2))
+    assert full == token_bytes(whole) and full.startswith(head) and len(head) < len(full)
+
+
+@pytest.mark.parametrize("kind", [k for k, (_, _, splits) in PRE_TOKENIZERS.items() if splits])
+def test_other_pre_tokenizers_heads_are_exact(tmp_path, kind):
+    from router.blocks import token_bytes
+
+    make_pre, make_norm, _ = PRE_TOKENIZERS[kind]
+    tok, backend = _train_small(tmp_path, "t", make_pre(), make_norm() if make_norm else None)
+    for seed in range(5):
+        text = _long_text(seed, SMALL_FRAGMENTS, 6000)
+        found = asyncio.run(tok.aencode_head(text, add_special_tokens=True))
+        whole = backend.encode(text, add_special_tokens=True).ids
+        if isinstance(found, bytes):  # no cut verified near the start: encoded whole
+            assert found == token_bytes(whole)
+            continue
+        assert asyncio.run(tok.afinish(found)) == token_bytes(whole) and token_bytes(whole).startswith(found.data)
+
+
+def test_a_short_or_seen_prompt_is_encoded_whole_and_the_head_estimates_the_rest(reference):
+    from router.blocks import token_bytes
+
+    tok = Tokenizer.from_dir(ASSET)
+    short = "a short prompt " * 100  # 1,500 characters: encoding it whole costs what a head does
+    assert asyncio.run(tok.aencode_head(short)) == token_bytes(reference.encode(short, add_special_tokens=False).ids)
+    text = _long_text(3, [" word", " more", "\n"], 16_000)
+    head = asyncio.run(tok.aencode_head(text))
+    n = len(reference.encode(text, add_special_tokens=False).ids)
+    assert len(head.data) // 4 < n / 10 and abs(head.tokens_estimate - n) < n * 0.25
+    asyncio.run(tok.afinish(head))
+    assert isinstance(asyncio.run(tok.aencode_head(text)), bytes)  # seen: its segment is cached
+
+
+def test_token_bounds_hold_without_encoding(tmp_path):
+    tok = Tokenizer.from_dir(ASSET)  # byte-level BPE with NFC
+    for text in ("plain ascii <|im_end|> text", "é東京\u00a0e\u0301" * 50, "ﬁ" * 30):
+        n = len(tok.encode(text))
+        assert n <= tok.tokens_at_most(text, add_special_tokens=False)
+    assert tok.tokens_at_most("abc", add_special_tokens=False) == 3
+    metaspace, _ = _train_small(tmp_path, "m", pre_tokenizers.Metaspace(prepend_scheme="always"))
+    assert metaspace.tokens_at_most("abc", add_special_tokens=False) is None  # no bound: the router encodes to count

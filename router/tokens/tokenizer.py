@@ -45,7 +45,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tokenizers import Tokenizer as HfTokenizer  # noqa: E402
 
-from ..blocks import token_bytes  # noqa: E402
 from .chat_template import (  # noqa: E402
     ContentFormat,
     RenderJob,
@@ -59,6 +58,7 @@ from .chat_template import (  # noqa: E402
 from .client_templates import ClientTemplates  # noqa: E402
 from .errors import ChatTemplateError, PromptTooLong  # noqa: E402
 from .loading import add_missing_special_tokens, install_post_processor, read_dir, special_tokens_of  # noqa: E402
+from .head import PromptHead, byte_level_expansion, long_segment, to_bytes  # noqa: E402
 from .long_text import encode_long, is_long  # noqa: E402
 from .memory import release_free_memory  # noqa: E402
 from .segments import (  # noqa: E402
@@ -160,7 +160,8 @@ class Tokenizer:
         self._splitter = Splitter(added)
         self._token_ids = {c: backend.token_to_id(c) for c in added}
         self._token_arrays = {c: ids_array((i,)) for c, i in self._token_ids.items()}
-        reason = unsafe_to_split(json.loads(backend.to_str()), added.values(), split_special)
+        backend_config = json.loads(backend.to_str())
+        reason = unsafe_to_split(backend_config, added.values(), split_special)
         if reason is None:
             reason = self._self_check(list(added))
         if reason is not None:
@@ -169,6 +170,7 @@ class Tokenizer:
         self.segmented = reason is None
 
         self._prefix, self._suffix = self._special_wrapping()
+        self._expansion = byte_level_expansion(backend_config)
         self._chat_template = chat_template
         self._warm_templates()
         self.content_format = content_format
@@ -334,24 +336,31 @@ class Tokenizer:
             pieces = [ids_array(self._prefix or ()), *pieces, ids_array(self._suffix or ())]
         return pieces
 
-    def _pieces(self, text: str, add_special_tokens: bool, max_tokens: int | None = None, use_cache: bool = True) -> list[Sequence[int]]:
-        """The ids of ``text`` as a list of arrays, on this thread."""
+    def _pieces(
+        self, text: str, add_special_tokens: bool, max_tokens: int | None = None, use_cache: bool = True,
+        plan: _Plan | None = None,
+    ) -> list[Sequence[int]]:
+        """The ids of ``text`` as a list of arrays, on this thread (``plan``: the text's, if made)."""
         try:
             if max_tokens is not None and not self.segmented:
                 self._check_length(text, max_tokens)  # its seams rarely verify: no chunks to count on
-            plan = self._plan(text, add_special_tokens, use_cache)
+            if plan is None:
+                plan = self._plan(text, add_special_tokens, use_cache)
             return self._join(plan, self._encode_new(plan, max_tokens))
         finally:
             if len(text) >= TRIM_AFTER_CHARS:
                 release_free_memory()
 
-    async def _apieces(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[Sequence[int]]:
+    async def _apieces(
+        self, text: str, add_special_tokens: bool, max_tokens: int | None, plan: _Plan | None = None
+    ) -> list[Sequence[int]]:
         """:meth:`_pieces`, keeping the event loop free: a long text is cut and looked up on the
         pool too (the regex split and the joins of a megabyte prompt take milliseconds)."""
         if len(text) > PLAN_INLINE_MAX_CHARS:
-            pieces = await self._in_pool(lambda: self._pieces(text, add_special_tokens, max_tokens))
+            pieces = await self._in_pool(lambda: self._pieces(text, add_special_tokens, max_tokens, plan=plan))
         else:
-            plan = self._plan(text, add_special_tokens)
+            if plan is None:
+                plan = self._plan(text, add_special_tokens)
             if sum(map(len, plan.missing)) <= self.inline_max_chars:
                 encoded = self._encode_new(plan)
             else:
@@ -396,16 +405,56 @@ class Tokenizer:
         """``aencode``'s ids as uint32 little-endian bytes (what block hashing reads), joined in C
         from the cached segments' arrays: no list of ints is built nor converted.  Over
         ``max_tokens``: :class:`PromptTooLong`, found before a huge text is tokenized whole."""
-        pieces = await self._apieces(text, add_special_tokens, max_tokens)
-        if U32_NATIVE:
-            return b"".join(pieces)  # type: ignore[arg-type]  # arrays of uint32
-        return token_bytes(_as_list(pieces))
+        return to_bytes(await self._apieces(text, add_special_tokens, max_tokens))
+
+    async def aencode_head(self, text: str, *, add_special_tokens: bool = False, max_tokens: int | None = None) -> bytes | PromptHead:
+        """:meth:`aencode_bytes`, or when most of ``text`` is new (one long segment not cached),
+        a :class:`PromptHead`: its first ids, exactly, the rest left to ``finish()``
+        (router/tokens/head.py).  The caller bounds the length (``max_tokens`` applies to whole
+        encodings only): see :meth:`tokens_at_most`."""
+        if len(text) > PLAN_INLINE_MAX_CHARS:
+            found = await self._in_pool(lambda: self._head_or_plan(text, add_special_tokens))
+        else:
+            found = self._head_or_plan(text, add_special_tokens)
+        if isinstance(found, PromptHead):
+            return found
+        return to_bytes(await self._apieces(text, add_special_tokens, max_tokens, plan=found))
+
+    def _head_or_plan(self, text: str, add_special_tokens: bool) -> PromptHead | _Plan:
+        plan = self._plan(text, add_special_tokens)
+        long_index = long_segment(plan)
+        if long_index is not None:
+            head = PromptHead(self, plan, long_index)
+            if head.start():
+                return head
+        return plan
+
+    async def agrow(self, head: PromptHead) -> bool:
+        """``head.grow()`` on the pool."""
+        return await self._in_pool(head.grow)
+
+    async def afinish(self, head: PromptHead) -> bytes:
+        """``head.finish()`` on the pool: the whole prompt's ids as bytes."""
+        return await self._in_pool(head.finish)
+
+    def tokens_at_most(self, text: str, *, add_special_tokens: bool) -> int | None:
+        """An upper bound of ``text``'s token count, without encoding it, or None if this
+        tokenizer gives none: a byte-level BPE makes at most one token per byte of the normalized
+        text, and NFC at most triples a text's UTF-8 bytes (UAX #15), ASCII not at all."""
+        if self._expansion is None or (add_special_tokens and self._prefix is None):
+            return None
+        n = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")) * self._expansion
+        return n + (len(self._prefix or ()) + len(self._suffix or ()) if add_special_tokens else 0)
 
     async def aencode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return await self.aencode(text, add_special_tokens=add_special_tokens)
 
     async def aencode_chat(self, messages: Sequence[Mapping[str, Any]], /, *, add_special_tokens: bool = False, **render_kwargs: Any) -> list[int]:
         return await self.aencode(await self.arender_chat(messages, **render_kwargs), add_special_tokens=add_special_tokens)
+
+    async def run(self, fn: Any) -> Any:
+        """``fn()`` on the tokenizer's thread pool (work that follows an encode, e.g. hashing)."""
+        return await self._in_pool(fn)
 
     async def _in_pool(self, fn: Any) -> Any:
         loop = asyncio.get_running_loop()
