@@ -393,7 +393,8 @@ class Router:
                     text = await tok.arender_chat(messages, client_templates=self.tokenizers.client_templates,
                                                   template_kwargs=extra if isinstance(extra, Mapping) else None, **kwargs)
                     add_special = bool(body.get("add_special_tokens", False))
-                    return self._prompt(tok, text, await self._encode(tok, text, add_special, limit), want_text)
+                    encoded = await tok.aencode_head(text, add_special_tokens=add_special, max_tokens=limit)
+                    return self._prompt(tok, text, encoded, want_text)
                 except ClientTemplateRefused as exc:
                     raise ApiError(exc.status, str(exc), param="chat_template", code=exc.code) from None
                 except (TokenizerError, TypeError, ValueError) as exc:
@@ -407,7 +408,8 @@ class Router:
         add_special = bool(body.get("add_special_tokens", True))
         if tok is not None and len(prompts) == 1 and isinstance(prompts[0], str):
             try:
-                return self._prompt(tok, prompts[0], await self._encode(tok, prompts[0], add_special, limit), want_text)
+                encoded = await tok.aencode_head(prompts[0], add_special_tokens=add_special, max_tokens=limit)
+                return self._prompt(tok, prompts[0], encoded, want_text)
             except (TokenizerError, TypeError, ValueError) as exc:
                 log.debug("model %s: prompt not tokenized (%s); hashing its text instead", model, exc)
         out: list[bytes] = []
@@ -428,16 +430,6 @@ class Router:
             out.append(approximate_token_bytes(p))
             exact = False
         return Prompt(out, sum(len(data) for data in out) // 4, "\n".join(texts) if want_text else "", exact)
-
-    @staticmethod
-    async def _encode(tok: Tokenizer, text: str, add_special: bool, limit: int | None) -> bytes | PromptHead:
-        """The prompt's ids, or its head when it is long and new and cannot be over ``limit``
-        (a head's length is not known before routing: its bound must be under the limit)."""
-        if limit is not None:
-            bound = tok.tokens_at_most(text, add_special_tokens=add_special)
-            if bound is None or bound > limit:
-                return await tok.aencode_bytes(text, add_special_tokens=add_special, max_tokens=limit)
-        return await tok.aencode_head(text, add_special_tokens=add_special, max_tokens=limit)
 
     @staticmethod
     def _prompt(tok: Tokenizer, text: str, encoded: bytes | PromptHead, want_text: bool) -> Prompt:

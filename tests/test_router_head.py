@@ -57,6 +57,22 @@ async def test_a_new_long_prompt_is_routed_on_its_head_and_predicted_whole_soon_
         assert total(samples, "kvroute_prompt_tokens_total", model=MODEL) == len(ids)
 
 
+async def test_a_failover_moves_the_whole_chains_prediction_to_the_new_replica():
+    async with emulated_replicas(2) as reps, running_router([r.url for r in reps]) as app:
+        messages = chat(document(2), "and now?")
+        parsed = parse_request("chat", json.dumps({"model": MODEL, "messages": messages, "max_tokens": 1}).encode())
+        first = await app.router.route(parsed, request_id="r2", session_header=None, api_key=None)
+        second = app.router.reroute(first)  # the first replica failed before its first byte
+        assert second is not None and second.replica != first.replica and second.rest is first.rest
+        done = asyncio.Event()
+        second.rest.then(done.set)
+        async with asyncio.timeout(10):
+            await done.wait()
+        whole = second.rest.chain
+        assert app.index.lookup_now(whole) == {second.replica: len(whole), first.replica: len(first.chains[0])}
+        app.router.report(second, Outcome(replica=second.replica, status=200))
+
+
 @pytest.mark.parametrize("index", ["memory", "redis"])
 async def test_a_second_request_sharing_the_new_text_goes_to_the_same_replica(index, request):
     overrides = {}

@@ -659,3 +659,17 @@ def test_token_bounds_hold_without_encoding(tmp_path):
     assert tok.tokens_at_most("abc", add_special_tokens=False) == 3
     metaspace, _ = _train_small(tmp_path, "m", pre_tokenizers.Metaspace(prepend_scheme="always"))
     assert metaspace.tokens_at_most("abc", add_special_tokens=False) is None  # no bound: the router encodes to count
+
+
+def test_a_head_is_taken_only_when_a_bound_proves_the_prompt_within_the_limit(reference):
+    from router.tokens import PromptHead, PromptTooLong
+
+    tok = fresh_tok()
+    text = _long_text(9, [" word", " more", "\n"], 8000)
+    n = len(reference.encode(text, add_special_tokens=False).ids)
+    assert isinstance(asyncio.run(tok.aencode_head(text, max_tokens=len(text))), PromptHead)  # ASCII: chars bound it
+    tok.cache.clear()
+    assert len(asyncio.run(tok.aencode_head(text, max_tokens=n))) == 4 * n  # no proof: encoded and counted
+    tok.cache.clear()
+    with pytest.raises(PromptTooLong):
+        asyncio.run(tok.aencode_head(text, max_tokens=n - 1))

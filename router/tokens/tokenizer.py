@@ -410,24 +410,28 @@ class Tokenizer:
     async def aencode_head(self, text: str, *, add_special_tokens: bool = False, max_tokens: int | None = None) -> bytes | PromptHead:
         """:meth:`aencode_bytes`, or when most of ``text`` is new (one long segment not cached),
         a :class:`PromptHead`: its first ids, exactly, the rest left to ``finish()``
-        (router/tokens/head.py).  The caller bounds the length (``max_tokens`` applies to whole
-        encodings only): see :meth:`tokens_at_most`."""
+        (router/tokens/head.py).  A head's length is not known: with ``max_tokens``, a head only
+        when :meth:`tokens_at_most` proves the text within it (else it is encoded and counted)."""
         if len(text) > PLAN_INLINE_MAX_CHARS:
-            found = await self._in_pool(lambda: self._head_or_plan(text, add_special_tokens))
+            found = await self._in_pool(lambda: self._head_or_plan(text, add_special_tokens, max_tokens))
         else:
-            found = self._head_or_plan(text, add_special_tokens)
+            found = self._head_or_plan(text, add_special_tokens, max_tokens)
         if isinstance(found, PromptHead):
             return found
         return to_bytes(await self._apieces(text, add_special_tokens, max_tokens, plan=found))
 
-    def _head_or_plan(self, text: str, add_special_tokens: bool) -> PromptHead | _Plan:
+    def _head_or_plan(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> PromptHead | _Plan:
         plan = self._plan(text, add_special_tokens)
         long_index = long_segment(plan)
-        if long_index is not None:
+        if long_index is not None and (max_tokens is None or self._within(text, add_special_tokens, max_tokens)):
             head = PromptHead(self, plan, long_index)
             if head.start():
                 return head
         return plan
+
+    def _within(self, text: str, add_special_tokens: bool, max_tokens: int) -> bool:
+        bound = self.tokens_at_most(text, add_special_tokens=add_special_tokens)
+        return bound is not None and bound <= max_tokens
 
     async def agrow(self, head: PromptHead) -> bool:
         """``head.grow()`` on the pool."""
