@@ -322,6 +322,11 @@ class Router:
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
+    async def finish_pending(self) -> None:
+        """Wait for the prompts still being finished (the app's stop: their predictions land)."""
+        if self._finishing:
+            await asyncio.gather(*self._finishing, return_exceptions=True)
+
     async def _finish_rest(self, prompt: Prompt, rest: PromptRest, chain: list[int], block_size: int, seed: int) -> None:
         head, tok = prompt.head, prompt.tokenizer
         assert head is not None and tok is not None
