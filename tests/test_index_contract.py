@@ -166,13 +166,33 @@ async def test_capacity_evicts_the_least_recently_touched(backend):
     index = await index_with(backend, spec("a", capacity=4))
     old, kept, new = [1, 2], [3, 4], [5, 6]
     await index.record_prediction("a", old)
-    await index.confirm("a", kept)
+    await index.record_prediction("a", kept)
     await index.record_prediction("a", old)  # touched again: now more recent than `kept`
     await index.record_prediction("a", new)
     assert await index.lookup(old) == {"a": 2}
     assert await index.lookup(kept) == {}
     assert await index.lookup(new) == {"a": 2}
     assert await index.entry_count("a") == 4
+
+
+async def test_predictions_never_evict_confirmed_entries(backend):
+    """Predictions and confirmed entries are bounded apart, each at the capacity: what the engine
+    said it stores stays until its BlockRemoved, however many requests are in flight; confirmed
+    entries past what the engine can hold are stale (lost events), the least recent go."""
+    index = await index_with(backend, spec("a", capacity=4, events=True), ttl=600)
+    await index.confirm("a", [1, 2, 3, 4])  # the engine's whole capacity
+    await index.record_prediction("a", [5, 6])
+    await index.record_prediction("a", [1, 7])  # block 1 stays confirmed
+    assert await index.lookup([1, 2, 3, 4]) == {"a": 4}
+    assert (await index.lookup([5, 6]), await index.lookup([1, 7])) == ({"a": 2}, {"a": 2})
+    assert await index.entry_count("a") == 7
+    await index.record_prediction("a", [8, 9, 10])  # six predictions: the two least recent go
+    assert (await index.lookup([5]), await index.lookup([6]), await index.lookup([7])) == ({}, {}, {"a": 1})
+    assert await index.lookup([1, 2, 3, 4]) == {"a": 4}
+    await index.confirm("a", [11])  # five confirmed: the least recently written one goes
+    assert await index.lookup([1, 2, 3, 4]) == {"a": 3}
+    assert await index.lookup([11]) == {"a": 1}
+    assert await index.entry_count("a") == 8
 
 
 async def test_expired_predictions_do_not_take_capacity(backend):

@@ -4,8 +4,10 @@ An entry (block hash, replica) is either *predicted* (the router sent that promp
 *confirmed* (the engine's KV events said it stored the block).  A predicted entry on a replica that
 publishes KV events expires after ``predicted_ttl_s`` unless confirmed, since the truth arrives
 soon; on a replica without events it lives until the capacity bound evicts it, or affinity would be
-lost.  Each replica's entries are capped at its KV capacity in blocks (least recently used go
-first), so the index never claims more than a replica can hold.
+lost.  Each replica's predictions are capped at its KV capacity in blocks, and apart from them
+its confirmed entries too (least recently used go first in each): a prediction never evicts a
+block the engine said it stores (its BlockRemoved says when that goes), and confirmed entries
+past what the engine can hold are stale (lost events).
 """
 
 from __future__ import annotations

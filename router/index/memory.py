@@ -37,8 +37,8 @@ import time
 from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from itertools import accumulate, compress, repeat
-from operator import and_, itemgetter, neg, or_
+from itertools import accumulate, compress, islice, repeat
+from operator import and_, is_not, itemgetter, neg, or_
 
 from .base import PrefixIndex, ReplicaSpec
 
@@ -51,12 +51,13 @@ FEW_HOLDER_SETS = 4  # up to this many distinct masks in a run, ``list.index`` f
 
 
 class _Replica:
-    __slots__ = ("spec", "bit", "entries", "expiries")
+    __slots__ = ("spec", "bit", "entries", "expiries", "confirmed")
 
     def __init__(self, spec: ReplicaSpec, bit: int):
         self.spec = spec
         self.bit = bit  # 1 << its position in MemoryIndex._by_bit
         self.entries: OrderedDict[int, float] = OrderedDict()  # block hash -> expiry, least recent first
+        self.confirmed = 0  # entries whose value is CONFIRMED: each class has its own capacity bound
         self.expiries: deque[tuple[float, int]] = deque()  # (expiry, hash) of TTL predictions, in expiry order
 
 
@@ -138,6 +139,7 @@ class MemoryIndex(PrefixIndex):
         self._drop_bit(list(rep.entries), rep.bit)
         rep.entries.clear()
         rep.expiries.clear()
+        rep.confirmed = 0
 
     async def drop_confirmed(self, name: str) -> None:
         rep = self._replicas.get(name)
@@ -147,6 +149,7 @@ class MemoryIndex(PrefixIndex):
         confirmed = [h for h, expiry in entries.items() if expiry == CONFIRMED]
         for h in confirmed:
             del entries[h]
+        rep.confirmed = 0
         self._drop_bit(confirmed, rep.bit)
 
     async def entry_count(self, name: str) -> int:
@@ -255,8 +258,9 @@ class MemoryIndex(PrefixIndex):
         rep = self._replicas.get(replica)
         if rep is None:
             return
-        pop = rep.entries.pop
-        self._drop_bit([h for h in hashes if pop(h, None) is not None], rep.bit)
+        gone = list(map(rep.entries.pop, hashes, repeat(None)))
+        rep.confirmed -= gone.count(CONFIRMED)
+        self._drop_bit(list(compress(hashes, map(is_not, gone, repeat(None)))), rep.bit)
 
     # -- internals ------------------------------------------------------------------------
     def _write(self, rep: _Replica, hashes: Sequence[int], expiry: float) -> None:
@@ -296,12 +300,17 @@ class MemoryIndex(PrefixIndex):
     ) -> None:
         entries, expiries = rep.entries, rep.expiries
         out_of_order = timed and expiries and expiries[-1][0] > expiry  # the clock stepped back
+        confirming = expiry == CONFIRMED
         new = []  # blocks this replica did not hold: they gain its bit
         for h, was in zip(reversed(hashes), reversed(old)):
-            if was == CONFIRMED and expiry != CONFIRMED:
+            if was == CONFIRMED and not confirming:
                 continue  # confirmed already: only its recency is refreshed
             if was == expiry and not timed:
                 continue
+            if confirming:
+                if entries.get(h) == CONFIRMED:
+                    continue  # a block repeated in the chain, confirmed just now
+                rep.confirmed += 1
             entries[h] = expiry
             if timed:
                 expiries.append((expiry, h))
@@ -331,11 +340,27 @@ class MemoryIndex(PrefixIndex):
             holders.update(compress(zip(hashes, others), others))
 
     def _evict_over_capacity(self, rep: _Replica) -> None:
-        entries = rep.entries
-        excess = len(entries) - max(rep.spec.capacity_blocks, 0)
+        """Predictions and confirmed entries are bounded apart, each at the replica's capacity,
+        least recently used first: a prediction never evicts what the engine said it stores
+        (its BlockRemoved says when that goes), and confirmed entries past what the engine can
+        hold are stale (lost events), so they go."""
+        entries, capacity, confirmed = rep.entries, max(rep.spec.capacity_blocks, 0), rep.confirmed
+        excess = len(entries) - confirmed - capacity
         if excess > 0:
-            popitem = entries.popitem
-            self._drop_bit([popitem(last=False)[0] for _ in range(excess)], rep.bit)
+            if confirmed:  # the least recent predictions, skipping confirmed entries, in C
+                predicted = compress(entries, map(CONFIRMED.__ne__, entries.values()))
+                victims = list(islice(predicted, excess))
+                deque(map(entries.__delitem__, victims), maxlen=0)
+            else:
+                popitem = entries.popitem
+                victims = [popitem(last=False)[0] for _ in range(excess)]
+            self._drop_bit(victims, rep.bit)
+        excess = confirmed - capacity
+        if excess > 0:
+            victims = list(islice(compress(entries, map(CONFIRMED.__eq__, entries.values())), excess))
+            deque(map(entries.__delitem__, victims), maxlen=0)
+            rep.confirmed -= len(victims)
+            self._drop_bit(victims, rep.bit)
 
     def _expire(self, rep: _Replica, now: float) -> None:
         """Drop TTL predictions that ran out (and were neither confirmed nor renewed)."""

@@ -31,7 +31,9 @@ hash: Redis keeps hashes of up to 512 fields as listpacks, where each field look
 
 Every operation is one Lua script (EVALSHA), so one round trip; the clock is Redis's TIME, so
 routers need no synchronised clocks.  Expired predictions are purged at the start of every write
-script on that replica, so they never take capacity from live entries.
+script on that replica, so they never take capacity from live entries.  Predictions and confirmed
+entries are bounded apart (each at the capacity, least recently touched first, found in ``l``
+a page at a time), so a prediction never evicts a confirmed entry.
 
 Cluster.  All keys of one index share one hash tag, the scheme (plus an optional ``shard`` name),
 so every script runs on one shard.  The scripts declare the registry key and derive the others
@@ -132,13 +134,45 @@ local function purge(now)
   end
 end
 
--- least recently touched entries go first once over capacity
+-- the `count` least recently touched entries that are (or are not) confirmed, a page at a time
+local function least_recent(confirmed, count)
+  local out, start, total = {}, 0, redis.call('ZCARD', L)
+  while #out < count and start < total do
+    local page = redis.call('ZRANGE', L, start, start + CHUNK - 1)
+    local flags = redis.call('SMISMEMBER', C, unpack(page))
+    for i = 1, #page do
+      if (flags[i] == 1) == confirmed then
+        out[#out + 1] = page[i]
+        if #out == count then break end
+      end
+    end
+    start = start + CHUNK
+  end
+  return out
+end
+
+-- predictions and confirmed entries are bounded apart, each at the capacity, least recently
+-- touched first: a prediction never evicts what the engine said it stores
 local function evict(cap)
-  local over = redis.call('ZCARD', L) - math.max(cap, 0)
+  cap = math.max(cap, 0)
+  local confirmed = redis.call('SCARD', C)
+  local over = redis.call('ZCARD', L) - confirmed - cap
   if over > 0 then
-    local victims = redis.call('ZRANGE', L, 0, over - 1)
-    redis.call('ZREMRANGEBYRANK', L, 0, over - 1)
+    local victims
+    if confirmed == 0 then
+      victims = redis.call('ZRANGE', L, 0, over - 1)
+      redis.call('ZREMRANGEBYRANK', L, 0, over - 1)
+    else
+      victims = least_recent(false, over)
+      in_chunks('ZREM', L, victims)
+    end
     unstate(victims)
+  end
+  over = confirmed - cap
+  if over > 0 then
+    local victims = least_recent(true, over)
+    in_chunks('ZREM', L, victims)
+    in_chunks('SREM', C, victims)
   end
 end
 

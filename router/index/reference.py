@@ -7,9 +7,11 @@ module is the index's specification (docs/design.md describes it in words):
 - an entry (block, replica) is *predicted* (expires ``ttl`` after its last write on a replica that
   publishes KV events, never on one that does not) or *confirmed* (until removed or cleared; a
   prediction never downgrades a confirmed entry);
-- each replica holds at most ``capacity_blocks`` live entries, least recently written evicted
-  first, expired ones purged before anything live is evicted; a chain written at once counts its
-  head as the most recent;
+- each replica holds at most ``capacity_blocks`` live predictions and, apart, at most
+  ``capacity_blocks`` confirmed entries (more than the engine can hold are stale: lost events),
+  each class's least recently written evicted first, expired ones purged before anything live is
+  evicted: a prediction never evicts a confirmed entry; a chain written at once counts its head
+  as the most recent;
 - a lookup counts, per replica, the chain's leading blocks it holds live, stopping at the first
   gap; writes for an unregistered replica are ignored.
 """
@@ -40,8 +42,11 @@ class ReferenceIndex:
         entries = self.entries[name]
         for h in [h for h, e in entries.items() if not self._live(e)]:
             del entries[h]
-        while len(entries) > max(self.specs[name].capacity_blocks, 0):
-            entries.popitem(last=False)
+        capacity = max(self.specs[name].capacity_blocks, 0)
+        for confirmed in (False, True):
+            held = [h for h, e in entries.items() if (e is self.CONFIRMED) == confirmed]  # least recent first
+            for h in held[: max(len(held) - capacity, 0)]:
+                del entries[h]
 
     def add_replica(self, s: ReplicaSpec) -> None:
         self.specs[s.name] = s
