@@ -21,8 +21,8 @@ from .workloads import DEFAULT_REQUESTS, DEFAULT_TRACE_NAME, WORKLOADS, Workload
 RATE_SAMPLE = 5000  # at most this many requests estimate the default rate
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvroute sim", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str], prog: str = "kvroute sim", description: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0])
     p.add_argument("--workload", required=True, choices=WORKLOADS,
                    help="the requests: multi-turn chats (sessions, conversation), one shared document (handbook), "
                    "a Mooncake trace (trace), or no shared prefixes (random)")
@@ -87,18 +87,8 @@ def describe_size(workload: Workload) -> str:
     return f"a {workload.end_s:.0f} s window of conversations (≈{expected:,.0f} requests)"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from router.policy import make_policy
-
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    err = Console(stderr=True)
-    policies = resolve_policies(args.policy)
-    profile = resolve_profile(args.profile)
-    started = time.perf_counter()
-
+def prepared_workload(args: argparse.Namespace, profile: Any) -> tuple[PreparedWorkload, str]:
+    """The run's requests, hashed, at ``--rate`` or the default offered load; and how the rate was set."""
     rate_note = ""
     rate = args.rate
     sample = None
@@ -121,9 +111,24 @@ def main(argv: list[str] | None = None) -> int:
         rate_note = f"rate {workload.rate:.2f} req/s (" + ("given)" if args.rate is not None else f"time scale {workload.time_scale:g})")
     if sample is not None and workload.end_s is None and len(sample.chains) == len(workload.requests):
         # Open loop, same requests: only the arrival times changed; keep the hashed chains.
-        prepared = PreparedWorkload(workload, sample.block_size, sample.chains, sample.prompt_tokens)
-    else:
-        prepared = prepare(workload, profile.block_size)
+        return PreparedWorkload(workload, sample.block_size, sample.chains, sample.prompt_tokens), rate_note
+    return prepare(workload, profile.block_size), rate_note
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from router.policy import make_policy
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    err = Console(stderr=True)
+    policies = resolve_policies(args.policy)
+    profile = resolve_profile(args.profile)
+    started = time.perf_counter()
+
+    prepared, rate_note = prepared_workload(args, profile)
+    workload = prepared.workload
     size = describe_size(workload)
     err.print(f"[bold]{args.workload}[/]: {size}, {args.replicas} replicas, profile {profile.name}; {rate_note}")
 

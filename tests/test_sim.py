@@ -9,6 +9,7 @@ import pytest
 
 from bench import sim_cli
 from bench.limit import LIMIT_KEYS, isolated_ttft
+from bench.reuse_loss import LOSS_KEYS, AuditedSim, audit
 from bench.sim import METRIC_KEYS, FleetConfig, FleetSim, drive, offered_load_rate, prepare, simulate_policy
 from bench.workloads import ConversationConfig, SessionsConfig, build_workload
 from replica.emulated.engine import EmulatedEngine, EngineRequest
@@ -54,9 +55,10 @@ def test_tiny_fleet_serves_every_request_with_consistent_figures(sessions, polic
     assert m["throughput_rps"] == pytest.approx(routed.sum() / (np.nanmax(result.finish) - np.nanmin(result.arrival)))
     if policy == "round_robin":
         assert counts.max() - counts.min() <= 1
-    # KV events reached the index: it holds confirmed blocks, never more than a replica's capacity.
+    # KV events reached the index: it holds confirmed blocks, and predictions, each class at most
+    # a replica's capacity.
     held = [drive(fleet.index.entry_count(name)) for name in fleet.names]
-    assert sum(held) > 0 and max(held) <= DEFAULT_PROFILE.num_gpu_blocks
+    assert sum(held) > 0 and max(held) <= 2 * DEFAULT_PROFILE.num_gpu_blocks
 
 
 def test_closed_loop_turns_wait_for_the_previous_answer(sessions):
@@ -206,3 +208,22 @@ def test_conversation_outgrows_a_replicas_kv_cache():
     m = fleet.simulate().metrics()
     assert m["requests"] > 250
     assert len(removed) > DEFAULT_PROFILE.num_gpu_blocks // 4
+
+
+def test_reuse_loss_splits_what_the_caches_kept_from_what_the_choice_used(sessions):
+    """bench/reuse_loss.py: round-robin leaves the engine holding a conversation on most turns,
+    cost_model almost never; neither can find more in the caches than one shared infinite cache."""
+    sums = {
+        policy: audit(AuditedSim(sessions, make_policy(policy, seed=1), FleetConfig(3, DEFAULT_PROFILE)))
+        for policy in ("round_robin", "cost_model")
+    }
+    for policy, s in sums.items():
+        assert set(s) == set(LOSS_KEYS)
+        assert 0 < s["delivered"] and s["fleet_held"] <= s["available"], policy
+        assert 0 <= s["index_lost"] <= s["left_holder"] <= s["fleet_held"], policy
+    rr, cm = sums["round_robin"], sums["cost_model"]
+    assert rr["left_holder"] > rr["fleet_held"] / 10  # turns land where only the system prompt is
+    assert cm["left_holder"] < rr["left_holder"] / 4
+    # the same run through FleetSim delivers exactly what the audit counted
+    plain = run(sessions, "cost_model").simulate()
+    assert int((plain.cached_tokens // BS).sum()) == cm["delivered"]
