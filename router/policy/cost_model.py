@@ -37,24 +37,29 @@ available; "greedy" is this request's TTFT alone (``greedy_ttft``, the default u
   share gained a point on the trace but lost 1.3 on conversation and, once the session bound
   loosened, sent sessions to whichever full replica's count dipped (sessions 96.3% vs 99.5%,
   imbalance 1.25): in steady state every cache is full and the difference is noise.
-- Why sglang_cache_aware keeps more of the trace's reuse (8 replicas seed 1: 37.2% vs 33.8%
-  of available; 16 replicas: 71.6% vs 66.3%), measured per decision against the engines'
-  caches: (a) it never leaves a holder below its 64-request imbalance, where this policy does
-  when the holder's queue costs more than the fleet's price of a copy (seed 1: 7.9k of the
-  17.8k blocks it keeps more; its p50/p99 are 437 ms/6.5 s against 102 ms/3.7 s); raising
-  ``queued_behind`` to 7 (15) keeps 35.3% (34.7%) at a higher p90 and, on the slice above, a
-  much higher p50 or p99: the trade-off is real, not a mispricing.  (b) the prefix index drops
-  blocks the engines still hold: its capacity eviction (``MemoryIndex._evict_over_capacity``)
-  pops confirmed entries as soon as predictions push a replica over its block count, before
-  the engine evicts anything (467k of 467k such evictions at 16 replicas were of blocks the
-  engine still held); sglang's own tree remembers them (9.3k blocks at seed 1, 9.0k at 16
-  replicas; this policy lost 3.9k and 9.4k that way).  Not evicting confirmed entries of
-  replicas that publish KV events raised this policy to 69.8% at 16 replicas (p50/p90/p99
-  44/1556/3753 ms against 43/1583/3692; seed 1 at 8: 33.8%, unchanged): an index change,
-  outside the policy.
-  (c) the rest (about 4.7k blocks at seed 1) is what the fleet's caches retain.  This policy
-  spreads requests it explores at least as evenly as sglang does (per replica 207-253 against
-  193-265); placing them by cache occupancy instead is not measured.
+- Why sglang_cache_aware keeps more of the trace's reuse at some seeds (``python -m
+  bench.reuse_loss``, which checks every decision against the engines' caches).  (a) The
+  prefix index dropped blocks the engines still held (its capacity bound let predictions evict
+  confirmed entries); bounded apart since (docs/design.md §3.3): 16 replicas, seeds 0-2, 66.3 /
+  66.3 / 69.0% -> 69.8 / 68.8 / 68.5%; no decision now leaves a holder the index forgot.
+  (b) This policy leaves a holder whose queue costs more than a copy: at 8 replicas seed 1,
+  20 requests, 7.4k blocks (1.4 points), each leaving 15-135k queued tokens for an idle
+  replica; sglang never leaves (p50/p99 437 ms/6.5 s against 98 ms/3.7 s).  Those queues are the router's count of uncached tokens sent and not yet answered, which
+  keeps a long prefill whole until its first token: measured against the engines' remaining
+  prefill at every decision (seed 1) it averages 19k tokens where the engines hold 6.2k, and
+  is never short.  Draining it at the learned prefill rate (6.1k error left, 7% of estimates
+  short) kept more reuse everywhere (trace 8 replicas seeds 0-2 +0.6 to +2.7 points, sessions
+  and conversation +0.3) but raised the trace's p50 from 97 to 126-153 ms and p99 to 4.0-5.5 s;
+  at half the rate, trace p99 4.3-4.4 s at two seeds of six and handbook at 16 replicas p99
+  37 -> 174 ms: the pricing was fitted to the overstated queue, so both would move together
+  (not done).  Raising ``queued_behind`` to 7 left the trace's mean unchanged (8 replicas seeds
+  0-5: 35.1%; 16 replicas 69.4% against 69.0%), each seed moving 1-3 points either way.
+  (c) The rest is what the fleet's caches keep: longest prefix any engine held at the
+  decisions, seed 1: 183.9k blocks against sglang's 190.9k.  Placement decides it and the
+  trace is chaotic there: pricing fresh prefill on replicas by their recent hit share moved
+  single seeds by -2 to +4 points at 8 replicas and cost 10-19 points at 16.  Over seeds the
+  gap is about a point: 8 replicas seeds 0-5, 35.1% against 35.9%; 16 replicas seeds 0-2,
+  69.0% against 70.1%.
 - ``decode_penalty`` is small on purpose.  With chunked prefill every engine step also advances
   each running sequence by one token, so during the ``steps_r = 1 + work_r // step_token_budget``
   steps before our first token the ``decoding_r`` running sequences add work.
