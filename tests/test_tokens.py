@@ -637,6 +637,47 @@ def test_other_pre_tokenizers_heads_are_exact(tmp_path, kind):
         assert asyncio.run(tok.afinish(found)) == token_bytes(whole) and token_bytes(whole).startswith(found.data)
 
 
+@HEAD_PROPERTY
+@given(seed=st.integers(0, 2**32), fragments=st.lists(st.sampled_from(HEAD_FRAGMENTS + ["[{", "x", "==", "{"]),
+                                                      min_size=1, max_size=4), n_chars=st.integers(4_500, 40_000),
+       prefix=st.sampled_from(["", "user\n", "see: ", "a b c "]))
+def test_growing_a_head_ends_with_the_whole_prompt(reference, seed, fragments, n_chars, prefix):
+    """The router grows a head while a replica holds all of it: every grow must move the cut on,
+    so growing ends (with the whole prompt) after a few steps, whatever the text; a text without
+    word ends (JSON brackets, one repeated character) may verify a cut only near its start."""
+    from router.blocks import token_bytes
+    from router.tokens import PromptHead
+
+    tok = fresh_tok()
+    text = prefix + _long_text(seed, fragments, n_chars)
+    found = asyncio.run(tok.aencode_head(text))
+    whole = token_bytes(reference.encode(text, add_special_tokens=False).ids)
+    if not isinstance(found, PromptHead):
+        assert found == whole
+        return
+    grows = 0
+    while asyncio.run(tok.agrow(found)):
+        grows += 1
+        assert grows <= 8, f"grow {grows}: the head is stuck at {len(found.data) // 4} ids"
+        assert whole.startswith(found.data)
+    assert found.done and found.data == whole
+
+
+def test_a_head_of_brackets_grows_to_the_whole_prompt(reference):
+    """The case a client found: a chat turn of 10,000 characters of "[{", whose only word end is
+    the role's ("user\n"), verifies no cut but that one, 4 characters in."""
+    from router.blocks import token_bytes
+    from router.tokens import PromptHead
+
+    tok = fresh_tok()
+    text = "user\n" + "[{" * 5000
+    head = asyncio.run(tok.aencode_head(text))
+    assert isinstance(head, PromptHead)
+    steps = [asyncio.run(tok.agrow(head)) for _ in range(8)]
+    assert steps[-1] is False and head.done
+    assert head.data == token_bytes(reference.encode(text, add_special_tokens=False).ids)
+
+
 def test_a_short_or_seen_prompt_is_encoded_whole_and_the_head_estimates_the_rest(reference):
     from router.blocks import token_bytes
 

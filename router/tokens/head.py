@@ -106,8 +106,11 @@ class PromptHead:
         nearly all encoded, the whole prompt.  False if it was already whole."""
         if self.done:
             return False
-        target = self._cut * GROW_FACTOR
-        if target + 2 * HEAD_WINDOW >= len(self.segment) or not self._cut_at(target):
+        before = self._cut
+        # from a short verified cut (text without word ends may verify only near its start), grow
+        # as from a full head; a cut that does not move on ends the growing: each grow progresses
+        target = max(before, HEAD_CHARS) * GROW_FACTOR
+        if target + 2 * HEAD_WINDOW >= len(self.segment) or not self._cut_at(target) or self._cut <= before:
             self.data = self.finish()
         return True
 
