@@ -57,7 +57,7 @@ class AccessLog:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in _PROBES:
+        if request.path in _PROBES or not log.isEnabledFor(logging.INFO):  # no line to write: gather nothing
             return await handler(request)
         started = time.perf_counter()
         trail = request[TRAIL_KEY] = Trail()
@@ -77,8 +77,6 @@ class AccessLog:
             asyncio.get_running_loop().call_soon(self._write, request, trail, status, duration)
 
     def _write(self, request: web.Request, trail: Trail, status: int, duration_s: float) -> None:
-        if not log.isEnabledFor(logging.INFO):
-            return
         decision, outcome = trail.decision, trail.outcome
         fields: dict[str, Any] = {
             "request_id": self._request_id(request),

@@ -157,6 +157,7 @@ class RouterMetrics:
         self._models: dict[str, ModelSeries] = {}
         self._replicas: set[tuple[str, str]] = set()
         self._decisions: dict[str, Any] = {}
+        self._answered: dict[tuple[str, str, int], Any] = {}  # requests' children by (model, replica, status)
         self._published: list[PublishedCollector] = []
 
     def bind_replicas(self, source: Callable[[], Iterable[ReplicaRow]]) -> None:
@@ -199,6 +200,14 @@ class RouterMetrics:
             child = self._decisions[reason] = self.decisions.labels(self.policy, reason)
         child.inc()
 
+    def answered(self, model: str, replica: str, status: int) -> None:
+        """Count a request answered (its child bound once per label set: ``labels()`` costs microseconds)."""
+        key = (model, replica, status)
+        child = self._answered.get(key)
+        if child is None:
+            child = self._answered[key] = self.requests.labels(model, replica, str(status))
+        child.inc()
+
     def know_model(self, model: str, replicas: Iterable[str] = ()) -> None:
         """Create a model's series (and its replicas' request series) at zero."""
         self.model(model)
@@ -218,6 +227,7 @@ class RouterMetrics:
             for labels in [labels for labels in metric._metrics if labels[position] == replica]:
                 remove_series(metric, *labels)
         self._replicas = {(m, r) for m, r in self._replicas if r != replica}
+        self._answered = {key: child for key, child in self._answered.items() if key[1] != replica}
 
     def hostile(self, client: str) -> None:
         self.cache_hostile.labels(self.client_label(client)).inc()

@@ -464,7 +464,7 @@ class Router:
         """The request ended (answered, failed or abandoned): release its load, count it, and
         account its reuse once the answer is written (CPU work the client need not wait for)."""
         self.load.on_finished(decision.load_key)
-        self.metrics.requests.labels(decision.model, outcome.replica or decision.replica, str(outcome.status)).inc()
+        self.metrics.answered(decision.model, outcome.replica or decision.replica, outcome.status)
         if 200 <= outcome.status < 300:
             if decision.rest is not None:  # a prompt routed on its head: accounted once whole
                 decision.rest.then(lambda: self._account(decision, outcome))
