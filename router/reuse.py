@@ -59,6 +59,36 @@ class _Powers:
 _powers = _Powers()
 
 
+# A prompt this short (a one-line chat) is fingerprinted with Python ints: numpy's ~15 calls cost
+# a fixed ~10 us, more than the few windows' arithmetic; the same values (tests/test_router_reuse.py)
+SMALL_TOKENS = 2 * WINDOW - 1
+_M64 = (1 << 64) - 1
+_POS_INT = [pow(int(_BASE), i, 1 << 64) for i in range(SMALL_TOKENS)]
+_NEG_INT = [pow(int(_BASE_INV), i, 1 << 64) for i in range(SMALL_TOKENS)]
+_MIX_INT = int(_MIX)
+
+
+def small_fingerprints(token_ids: Sequence[int], seed: int = 0) -> list[int]:
+    """:func:`fingerprints` of at most ``SMALL_TOKENS`` tokens, as a list, without numpy."""
+    ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
+    n = len(ids)
+    prefix = [0]
+    acc = 0
+    for i in range(n):
+        acc = (acc + (ids[i] + 1) * _POS_INT[i]) & _M64
+        prefix.append(acc)
+    kept = []
+    salt = seed & _M64
+    for j in range(n - WINDOW + 1):
+        h = ((prefix[j + WINDOW] - prefix[j]) * _NEG_INT[j]) & _M64
+        h ^= h >> 31
+        h = (h * _MIX_INT) & _M64
+        h ^= h >> 29
+        if h >> (64 - SAMPLE_BITS) == 0:
+            kept.append(h ^ salt)
+    return kept
+
+
 def fingerprints(token_ids: np.ndarray, seed: int = 0) -> np.ndarray:
     """Sampled content hashes of every WINDOW-token window (independent of the window's position)."""
     n = len(token_ids)
@@ -154,7 +184,13 @@ class ReuseTracker:
         available = blocks.refresh_leading_run(chain)
         # Only what is new gets fingerprinted: a matched prefix was fingerprinted when it was new.
         start = available * block_size
-        new = fingerprints(_array(token_ids[start:]), seed).tolist()
+        rest = token_ids[start:]
+        if len(rest) < WINDOW:
+            new: list[int] = []
+        elif len(rest) <= SMALL_TOKENS:
+            new = small_fingerprints(rest, seed)
+        else:
+            new = fingerprints(_array(rest), seed).tolist()
         hostile = bool(chain) and available < self.head_blocks and self._is_hostile(prints, new, len(token_ids) - start)
         blocks.add_all(chain[available:])
         prints.add_all(new)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from router.blocks import block_hashes, namespace_seed
-from router.reuse import SAMPLE, ReuseTracker, fingerprints
+from router.reuse import SAMPLE, SMALL_TOKENS, WINDOW, ReuseTracker, fingerprints, small_fingerprints
 
 BS = 16
 SEED = namespace_seed("m")
@@ -68,6 +68,21 @@ def test_fingerprints_do_not_depend_on_position():
     b = set(fingerprints(np.concatenate([_tokens(7), body]), SEED).tolist())
     assert len(a) > 3000 // SAMPLE // 3  # about one window in SAMPLE is kept
     assert a <= b
+
+
+def test_short_prompts_fingerprinted_without_numpy_give_the_same_values():
+    rng = np.random.default_rng(5)
+    kept = 0
+    for trial in range(3000):
+        n = int(rng.integers(WINDOW, SMALL_TOKENS + 1))
+        high = 2**32 if trial % 2 else 200  # the largest ids, and a small vocabulary's repeats
+        ids = rng.integers(0, high, n, dtype=np.uint64).astype(np.uint32)
+        seed = SEED if trial % 3 else int(rng.integers(0, 2**63)) * 2 + 1
+        expected = fingerprints(ids, seed).tolist()
+        assert small_fingerprints(ids, seed) == expected
+        assert small_fingerprints(ids.tolist(), seed) == expected
+        kept += len(expected)
+    assert kept > 3000 * WINDOW / SAMPLE / 2  # windows were kept: the values were compared, not just []
 
 
 def test_timestamp_before_a_shared_system_prompt_is_cache_hostile():
