@@ -47,10 +47,17 @@ def marked_processes(mark: str) -> dict[int, str]:
     return found
 
 
+def default_sigint() -> None:
+    """In the demo's process before exec: SIGINT as a terminal's Ctrl-C finds it.  A session run
+    in the background of a non-interactive shell (`pytest ... &`, CI scripts) ignores SIGINT; the
+    demo would inherit that, and Python leaves an ignored SIGINT ignored (no KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def demo_process(vllm_python: Path, mark: str, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, KVROUTE_VLLM_PYTHON=str(vllm_python), **{MARK: mark})
     return subprocess.Popen([sys.executable, "-m", "router.cli", "demo", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
 
 
 def wait_gone(mark: str, timeout: float = 10.0) -> dict[int, str]:
