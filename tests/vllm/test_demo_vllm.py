@@ -8,6 +8,7 @@ alive afterwards is found in /proc by that marker, whoever its parent is by then
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -60,6 +61,16 @@ def demo_process(vllm_python: Path, mark: str, *args: str) -> subprocess.Popen[s
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
 
 
+def kill_demo(proc: subprocess.Popen[str], mark: str) -> None:
+    """A test that failed while the demo ran: SIGKILL it and what it started (its launchers would
+    otherwise keep their vLLM replicas running, orphaned, after the session)."""
+    proc.kill()
+    proc.wait()
+    for pid in marked_processes(mark):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def wait_gone(mark: str, timeout: float = 10.0) -> dict[int, str]:
     """The marked processes still alive after ``timeout`` (an orphan may take a moment to exit)."""
     deadline = time.monotonic() + timeout
@@ -93,8 +104,7 @@ def test_demo_vllm_json_matches_the_emulated_demo_and_leaves_nothing_running(vll
         out, err = proc.communicate()
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            kill_demo(proc, mark)
     assert proc.returncode == 0, err[-4000:]
     # The scan finds what the demo starts: two launchers, two vLLM servers (a fork caught before
     # its exec shows its parent's command line: hence at least).
@@ -134,8 +144,7 @@ def test_demo_vllm_interrupted_while_replicas_start_leaves_nothing_running(vllm_
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            kill_demo(proc, mark)
     assert proc.returncode == 130, err[-4000:]
     assert "interrupted" in err and out == ""
     assert wait_gone(mark) == {}, "an interrupted demo left processes running"
