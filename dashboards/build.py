@@ -385,6 +385,13 @@ INDEX = dashboard(
         Panel("KV events applied / s by replica",
               [(f"sum by (replica) ({rate('kvroute_kv_events_applied_total', TR)})", "{{replica}}")], unit="ops",
               description="Per replica: a replica that serves requests and shows none here has a silent stream."),
+        Panel("KV-event streams by state",
+              [(f"sum by (state) (max by (replica, state) (kvroute_replica_kv_events_state{{{TR}}}))", "{{state}}")],
+              unit="short",
+              description="Replicas per state of their KV-event stream (docs/design.md §4.8): following (events "
+                          "arrive), pending (nothing heard yet), silent (nothing within events_silent_after_s: "
+                          "routed on predictions; the convention port has no publisher, or events are off and "
+                          "--fleet.events-port 0 should say so), off (no endpoint)."),
         Panel("KV-event gaps",
               [(f"sum by (replica) (increase(kvroute_kv_event_gaps_total{{{TR}}}[{RI}]))", "{{replica}}")],
               unit="short", description="Sequence gaps: event batches lost between a replica and the router."),
@@ -403,6 +410,13 @@ INDEX = dashboard(
                                                "{{reason}}")], unit="ops",
               description="Blocks not applied: undecodable events, bad frames, batches lost while the index was "
                           "unavailable." + ROUTER_WIDE),
+        Panel("Discovery errors / s by router and source",
+              [(f"sum by (instance, source, error) ({rrate('kvroute_discovery_errors_total')})",
+                "{{instance}} {{source}} {{error}}")],
+              unit="ops",
+              description="Failed calls of a discovery source that talks to an API (the Kubernetes pod watch): "
+                          "config, connection, api (an error status), protocol. The router keeps its last "
+                          "listing meanwhile, which goes stale (alert KvrouteDiscoveryErrors)." + ROUTER_WIDE),
         Panel("Index availability and rebuilds by router",
               [(f"min by (instance) ({routed('kvroute_index_available{' + T + '}')})", "available {{instance}}"),
                (f"sum by (instance) ({routed(f'increase(kvroute_index_rebuilds_total{{{T}}}[{RI}])')})",
