@@ -217,11 +217,20 @@ def _port(endpoint: str) -> int | None:
     return urlsplit(endpoint).port
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on at ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on at ``host`` right now (the OS picks it), never one this process
+    handed out before: a fleet's ports are all picked before its replicas bind them, and the OS
+    may give a port just released to the next pick."""
+    while True:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def with_free_ports(cfg: VllmReplicaConfig) -> VllmReplicaConfig:

@@ -194,3 +194,15 @@ def test_cli_refuses_a_python_without_vllm(capsys: pytest.CaptureFixture[str]) -
         replica_main(["--engine", "vllm", "--model", "tiny", "--vllm-python", sys.executable])
     assert exc.value.code == 2
     assert "no vLLM installed" in capsys.readouterr().err
+
+
+def test_free_ports_picked_before_binding_never_repeat():
+    """A fleet's ports are all picked before its replicas bind them, and the OS readily hands a
+    just-released port to the next pick (two vLLM replicas of one test run got one replay port):
+    neither the launcher's picks nor the tests' repeat within a process."""
+    from replica.vllm import free_port as launcher_port
+    from tests.conftest import free_port as test_port
+
+    for pick in (launcher_port, test_port):
+        ports = [pick() for _ in range(500)]
+        assert len(set(ports)) == len(ports)
