@@ -30,15 +30,22 @@ async def emulated_replicas(
     n: int, *, model: str = MODEL, time_scale: float = 0.0, **config: Any
 ) -> AsyncIterator[list[EmulatedReplica]]:
     """``n`` emulated replicas on loopback; ``time_scale`` 0 answers at once."""
-    reps = [EmulatedReplica(ReplicaConfig(model=model, time_scale=time_scale, **config)) for _ in range(n)]
-    started: list[EmulatedReplica] = []
-    try:
-        for r in reps:
-            await r.start()
-            started.append(r)
+    async with started(*(EmulatedReplica(ReplicaConfig(model=model, time_scale=time_scale, **config))
+                         for _ in range(n))) as reps:
         yield reps
+
+
+@contextlib.asynccontextmanager
+async def started(*replicas: EmulatedReplica) -> AsyncIterator[list[EmulatedReplica]]:
+    """``replicas`` started in order, and those that started stopped at the end."""
+    up: list[EmulatedReplica] = []
+    try:
+        for r in replicas:
+            await r.start()
+            up.append(r)
+        yield up
     finally:
-        for r in started:
+        for r in up:
             await r.stop()
 
 

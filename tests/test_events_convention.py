@@ -28,7 +28,7 @@ from router.config import load_settings
 from router.discovery import EventEndpointResolver, ReplicaEntry
 from router.registry import KeptRegistration, ReplicaRecord
 from tests.conftest import free_port
-from tests.router_support import MODEL, TINY_TOKENIZER, running_router, scrape, total
+from tests.router_support import MODEL, TINY_TOKENIZER, running_router, scrape, started, total
 
 ADMIN = "admin-token"
 HOSTS = ("127.0.0.2", "127.0.0.3")
@@ -67,18 +67,6 @@ def replica(host: str = "127.0.0.1", events: str | None = None, replay: str | No
     return EmulatedReplica(ReplicaConfig(model=MODEL, host=host, profile="cpu-tiny", time_scale=0.0, num_gpu_blocks=64,
                                          events_endpoint=events, replay_endpoint=replay, **config))
 
-
-@contextlib.asynccontextmanager
-async def started(*replicas: EmulatedReplica) -> AsyncIterator[list[EmulatedReplica]]:
-    up: list[EmulatedReplica] = []
-    try:
-        for r in replicas:
-            await r.start()
-            up.append(r)
-        yield up
-    finally:
-        for r in up:
-            await r.stop()
 
 
 @contextlib.asynccontextmanager
