@@ -362,11 +362,8 @@ async def measure_all(
 
 async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: int) -> dict[str, dict[str, float]]:
     """Microseconds per stage of the routing pipeline, in this process, for both prompts: the
-    stages on the request's path (a long new prompt is tokenized and hashed as far as its head),
-    then, apart, what is finished after the request left (the rest of the prompt and its chain,
-    the whole chain's prediction, reuse accounting): ``rest`` is also how long after the decision
-    the whole chain's prediction is recorded."""
-    from router.blocks import chain_from_bytes, namespace_seed
+    stages on the request's path, then, apart, the reuse accounting done after the answer."""
+    from router.blocks import namespace_seed
     from router.chain_memo import ChainMemo
     from router.index.base import ReplicaSpec
     from router.index.memory import MemoryIndex
@@ -387,7 +384,7 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
         names = [f"r{i}" for i in range(4)]
         for name in names:
             await index.add_replica(ReplicaSpec(name, 200_000))
-        times = dict.fromkeys((*on_path, "rest", "rest_record", "reuse"), 0.0)
+        times = dict.fromkeys((*on_path, "reuse"), 0.0)
         for i in range(-3, n):  # three warm-up rounds, as the live router has seen earlier turns
             msgs = ([*history, {"role": "user", "content": f"And question number {i}, briefly?"}]
                     if case.startswith("multi") else [{"role": "user", "content": fresh()}])
@@ -397,9 +394,7 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
             t1 = time.perf_counter()
             text = tok.render_chat(msgs)
             t2 = time.perf_counter()
-            encoded = await tok.aencode_head(text)  # as the router does: the head of a long new prompt
-            head = None if isinstance(encoded, bytes) else encoded
-            data = encoded if head is None else head.data
+            data = await tok.aencode_bytes(text)
             t3 = time.perf_counter()
             chain = memo.chain(data, 16, seed)
             t4 = time.perf_counter()
@@ -410,23 +405,14 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
             t6 = time.perf_counter()
             await index.record_prediction(decision.replica, chain)
             t7 = time.perf_counter()
-            if head is not None:  # the router's PromptRest: on the pool, then the whole prediction
-                known = len(chain) * 16 * 4
-                data = await tok.run(head.finish)
-                chain = chain + chain_from_bytes(memoryview(data)[known:], 16, chain[-1] if chain else seed)
-            t8 = time.perf_counter()
-            if head is not None:
-                await index.record_prediction(decision.replica, chain)
-                memo.learn(data, chain, 16, seed)
-            t9 = time.perf_counter()
             reuse.observe(MODEL, chain, np.frombuffer(data, dtype="<u4"), 16, seed)
-            t10 = time.perf_counter()
+            t8 = time.perf_counter()
             # spread the conversation over the replicas, as concurrency 64 does
             await index.record_prediction(names[i % 4], chain)
             if i >= 0:
                 for key, a, b in (("parse", t0, t1), ("render", t1, t2), ("tokenize", t2, t3), ("hash", t3, t4),
                                   ("index_lookup", t4, t5), ("policy", t5, t6), ("index_record", t6, t7),
-                                  ("rest", t7, t8), ("rest_record", t8, t9), ("reuse", t9, t10)):
+                                  ("reuse", t7, t8)):
                     times[key] += b - a
         out[case] = {k: v / n * 1e6 for k, v in times.items()}
         out[case]["total_on_path"] = sum(out[case][k] for k in on_path)

@@ -288,7 +288,6 @@ class RouterApp:
             self._runner = None
         if self.kv_events is not None:
             await self.kv_events.stop()
-        await self.router.finish_pending()  # prompts routed on their heads: their rests are short
         await self.fleet.stop()
         await self.index_client.stop()
         await self.session.close()

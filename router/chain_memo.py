@@ -73,16 +73,6 @@ class ChainMemo:
         self.misses += n_spans - done
         return out
 
-    def learn(self, data: bytes, chain: list[int], block_size: int, seed: int) -> None:
-        """Remember the spans of ``data``'s chain hashed elsewhere (a prompt routed on its head
-        and finished off the loop), so that its next turn reuses them."""
-        step = block_size * 4 * self.span_blocks
-        n_spans = len(data) // step
-        if n_spans == 0 or self.max_spans == 0 or len(chain) < n_spans * self.span_blocks:
-            return
-        view = memoryview(data)
-        self._remember(view, step, _xxh3(view[:step], _first_key(block_size, seed)), 0, n_spans, chain)
-
     def _remember(self, view: memoryview, step: int, key: int, first: int, n_spans: int, hashes: list[int]) -> None:
         """Spans ``first``..``n_spans`` of ``view`` (``key``: span ``first``'s), ``hashes`` from span ``first`` on."""
         spans = self._spans

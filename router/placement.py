@@ -17,7 +17,6 @@ from .policy.base import Decision, Policy, ReplicaState, RouteRequest
 
 Replicas = Sequence[ReplicaState]  # the eligible ones, as snapshots
 Chains = Sequence[Sequence[int]] | None  # every chain of a batch of prompts; None: the route's own
-More = Callable[[], Awaitable[Sequence[int] | None]]  # a longer head of the route's chain, or None
 
 
 class Predictions(Protocol):
@@ -53,23 +52,12 @@ class Placement:
         # the router's Fleet.claim: a half-open replica's one trial is the request placed there
         self.claim = claim
 
-    async def place(
-        self, route: RouteRequest, replicas: Replicas, load_key: str, chains: Chains = None, more: More | None = None
-    ) -> Decision:
+    async def place(self, route: RouteRequest, replicas: Replicas, load_key: str, chains: Chains = None) -> Decision:
         """The whole sequence: fills ``route.matches`` from the index, then :meth:`commit`.
 
         ``chains``: every chain to record (a batch of prompts); the route's own chain by default.
-        ``more``: the route's chain is the head of a longer one (a prompt known in part): while
-        some replica holds every block of it, ``more()`` gives a longer head (None: no longer),
-        so the matches, and the choice, are those of the whole chain.
         """
         route.matches = await self.index.lookup(route.chain) if route.chain else {}
-        while more is not None and (not route.chain or max(route.matches.values(), default=0) >= len(route.chain)):
-            chain = await more()
-            if chain is None:
-                break
-            route.chain = chain
-            route.matches = await self.index.lookup(chain)
         return self.commit(route, replicas, load_key, chains)
 
     def commit(self, route: RouteRequest, replicas: Replicas, load_key: str, chains: Chains = None) -> Decision:

@@ -5,11 +5,9 @@ tokenize -> block chain (seed: model, LoRA adapter, cache_salt) -> the routing s
 prediction and the load) -> an immutable :class:`RouteDecision`.  The app forwards it through the
 proxy and reports back: ``reroute`` (failed before the first byte), ``first_token``, ``report``.
 
-A long new prompt is routed on its head (router/tokens/head.py): its first ids, exact, grown
-while some replica holds every block of them, so the decision is the one the whole chain would
-give.  The rest is encoded and hashed on the tokenizer's pool once the request is on its way
-(:class:`PromptRest`); the whole chain's prediction is then recorded for the replica the request
-went to, and the reuse accounting waits for it.
+Every prompt is routed on its whole token ids: the decision, the load it charges and the
+prediction it records all need the prompt's real length and chain (docs/design.md §1 says why a
+prompt is never routed on an estimate of its head).
 
 Tokens: the model's own tokenizer and chat template when one is configured (exact block
 hashes).  Without one the router still routes cache-aware, approximately: the prompt's UTF-8
@@ -37,7 +35,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .blocks import chain_from_bytes, namespace_seed, token_bytes
+from .blocks import namespace_seed, token_bytes
 from .chain_memo import ChainMemo
 from .config import RouterSettings
 from .errors import ApiError
@@ -50,7 +48,7 @@ from .policy.base import Policy, ReplicaState, RouteRequest
 from .proxy import Outcome
 from .requests import ParsedRequest, prompt_batch
 from .reuse import ReuseTracker
-from .tokens import ClientTemplateRefused, PromptHead, PromptTooLong, Tokenizer, TokenizerError, TokenizerRegistry
+from .tokens import ClientTemplateRefused, PromptTooLong, TokenizerError, TokenizerRegistry
 
 log = logging.getLogger("kvroute.router")
 
@@ -135,38 +133,9 @@ class Prompt:
     """What routing computed from the request body."""
 
     data: list[bytes]  # per prompt of the batch: its token ids as uint32 little-endian bytes
-    tokens: int  # estimated while ``head`` is set
+    tokens: int
     text: str
     exact: bool  # tokenized with the model's own tokenizer
-    head: PromptHead | None = None  # a long new prompt: ``data`` holds its first ids only
-    tokenizer: Tokenizer | None = None  # the head's, which finishes it
-
-
-class PromptRest:
-    """The rest of a prompt routed on its head, finished on the tokenizer's pool: shared by a
-    decision and its failovers (``replica``: where the request went last)."""
-
-    __slots__ = ("replica", "data", "chain", "finished", "_waiting")
-
-    def __init__(self, replica: str):
-        self.replica = replica
-        self.data: bytes | None = None  # the whole prompt's ids; None until finished, or if it failed
-        self.chain: list[int] | None = None
-        self.finished = False
-        self._waiting: list[Any] = []
-
-    def then(self, callback: Any) -> None:
-        """``callback()`` once finished (now, if it is)."""
-        if self.finished:
-            callback()
-        else:
-            self._waiting.append(callback)
-
-    def finish(self, data: bytes | None, chain: list[int] | None) -> None:
-        self.data, self.chain, self.finished = data, chain, True
-        for callback in self._waiting:
-            callback()
-        self._waiting.clear()
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +159,6 @@ class RouteDecision:
     predicted_blocks: int  # what the policy believed the replica held
     tried: tuple[str, ...] = ()  # replicas that failed before the first byte
     additions: Mapping[str, Any] = field(default_factory=dict)  # body fields routing adds upstream
-    rest: PromptRest | None = None  # a prompt routed on its head: the whole of it, once finished
 
 
 class Router:
@@ -230,7 +198,6 @@ class Router:
         )
         self._approx_warned: set[str] = set()
         self._reports_cached: set[str] = set()  # replicas known to fill usage.prompt_tokens_details
-        self._finishing: set[asyncio.Task[None]] = set()  # prompts being finished on the pool
 
     # -- the decision -----------------------------------------------------------------------
     async def route(
@@ -268,7 +235,7 @@ class Router:
             prompt = await self._tokenize(parsed, model, base, per_prompt)
         except PromptTooLong as exc:
             prompt_too_long(parsed, str(exc))
-        if limit is not None and prompt.tokens > limit and prompt.head is None:  # a head's bound was checked
+        if limit is not None and prompt.tokens > limit:
             prompt_too_long(parsed, f"prompt is {prompt.tokens} tokens long, more than the limit of {limit}")
         block_size = self.fleet.block_size(model)
         seed = namespace_seed(base, lora, salt)
@@ -282,23 +249,8 @@ class Router:
             now=time.monotonic(),
         )
         load_key = f"{request_id}#{next(self._ids)}"  # client ids may repeat; load keys must not
-        more = None
-        if prompt.head is not None:
-            head, tok = prompt.head, prompt.tokenizer
-
-            async def more() -> list[int] | None:
-                if not await tok.agrow(head):
-                    return None
-                route.prompt_tokens = head.tokens_estimate
-                return self.chains.chain(head.data, block_size, seed)
-
-        decision = await self.placement.place(route, self._snapshot(replicas), load_key, None if more else chains, more)
+        decision = await self.placement.place(route, self._snapshot(replicas), load_key, chains)
         self.metrics.decision(decision.reason)
-        rest = None
-        if prompt.head is not None:
-            rest = PromptRest(decision.replica)
-            chains = (route.chain,)  # as far as it was grown
-            asyncio.get_running_loop().call_soon(self._finish, prompt, rest, route.chain, block_size, seed)
         return RouteDecision(
             request_id=request_id,
             load_key=load_key,
@@ -312,39 +264,7 @@ class Router:
             reason=decision.reason,
             predicted_blocks=decision.matched_blocks,
             additions=additions,
-            rest=rest,
         )
-
-    def _finish(self, prompt: Prompt, rest: PromptRest, chain: list[int], block_size: int, seed: int) -> None:
-        """Encode and hash the rest of a prompt routed on its head (on the pool, after the request
-        left), then record the whole chain's prediction where the request went."""
-        task = asyncio.create_task(self._finish_rest(prompt, rest, chain, block_size, seed))
-        self._finishing.add(task)
-        task.add_done_callback(self._finishing.discard)
-
-    async def finish_pending(self) -> None:
-        """Wait for the prompts still being finished (the app's stop: their predictions land)."""
-        if self._finishing:
-            await asyncio.gather(*self._finishing, return_exceptions=True)
-
-    async def _finish_rest(self, prompt: Prompt, rest: PromptRest, chain: list[int], block_size: int, seed: int) -> None:
-        head, tok = prompt.head, prompt.tokenizer
-        assert head is not None and tok is not None
-        known = len(chain) * block_size * 4
-
-        def whole() -> tuple[bytes, list[int]]:
-            data = head.finish()
-            return data, chain + chain_from_bytes(memoryview(data)[known:], block_size, chain[-1] if chain else seed)
-
-        try:
-            data, full = await tok.run(whole)
-        except Exception:  # noqa: BLE001 - routing is done: the rest only feeds predictions and metrics
-            log.exception("finishing a prompt routed on its head failed")
-            rest.finish(None, None)
-            return
-        self.placement.index.record_prediction(rest.replica, full)
-        self.chains.learn(data, full, block_size, seed)
-        rest.finish(data, full)
 
     def reroute(self, decision: RouteDecision) -> RouteDecision | None:
         """``decision.replica`` failed before the first byte: the next best replica's decision, or
@@ -358,10 +278,6 @@ class Router:
             return None
         chosen = self.placement.commit(decision.route, self._snapshot(replicas), decision.load_key, decision.chains)
         self.metrics.decision("failover")
-        if decision.rest is not None:
-            decision.rest.replica = chosen.replica
-            if decision.rest.chain:
-                self.placement.index.record_prediction(chosen.replica, decision.rest.chain)
         return replace(
             decision, replica=chosen.replica, reason="failover", predicted_blocks=chosen.matched_blocks, tried=tried
         )
@@ -398,8 +314,8 @@ class Router:
                     text = await tok.arender_chat(messages, client_templates=self.tokenizers.client_templates,
                                                   template_kwargs=extra if isinstance(extra, Mapping) else None, **kwargs)
                     add_special = bool(body.get("add_special_tokens", False))
-                    encoded = await tok.aencode_head(text, add_special_tokens=add_special, max_tokens=limit)
-                    return self._prompt(tok, text, encoded, want_text)
+                    encoded = await tok.aencode_bytes(text, add_special_tokens=add_special, max_tokens=limit)
+                    return Prompt([encoded], len(encoded) // 4, text if want_text else "", exact=True)
                 except ClientTemplateRefused as exc:
                     raise ApiError(exc.status, str(exc), param="chat_template", code=exc.code) from None
                 except (TokenizerError, TypeError, ValueError) as exc:
@@ -413,8 +329,8 @@ class Router:
         add_special = bool(body.get("add_special_tokens", True))
         if tok is not None and len(prompts) == 1 and isinstance(prompts[0], str):
             try:
-                encoded = await tok.aencode_head(prompts[0], add_special_tokens=add_special, max_tokens=limit)
-                return self._prompt(tok, prompts[0], encoded, want_text)
+                encoded = await tok.aencode_bytes(prompts[0], add_special_tokens=add_special, max_tokens=limit)
+                return Prompt([encoded], len(encoded) // 4, prompts[0] if want_text else "", exact=True)
             except (TokenizerError, TypeError, ValueError) as exc:
                 log.debug("model %s: prompt not tokenized (%s); hashing its text instead", model, exc)
         out: list[bytes] = []
@@ -435,13 +351,6 @@ class Router:
             out.append(approximate_token_bytes(p))
             exact = False
         return Prompt(out, sum(len(data) for data in out) // 4, "\n".join(texts) if want_text else "", exact)
-
-    @staticmethod
-    def _prompt(tok: Tokenizer, text: str, encoded: bytes | PromptHead, want_text: bool) -> Prompt:
-        shown = text if want_text else ""
-        if isinstance(encoded, PromptHead):
-            return Prompt([encoded.data], encoded.tokens_estimate, shown, exact=True, head=encoded, tokenizer=tok)
-        return Prompt([encoded], len(encoded) // 4, shown, exact=True)
 
     def _warn_approximate(self, model: str, tok: object) -> None:
         if tok is None and model not in self._approx_warned:
@@ -466,22 +375,15 @@ class Router:
         self.load.on_finished(decision.load_key)
         self.metrics.answered(decision.model, outcome.replica or decision.replica, outcome.status)
         if 200 <= outcome.status < 300:
-            if decision.rest is not None:  # a prompt routed on its head: accounted once whole
-                decision.rest.then(lambda: self._account(decision, outcome))
-            else:
-                asyncio.get_running_loop().call_soon(self._account, decision, outcome)
+            asyncio.get_running_loop().call_soon(self._account, decision, outcome)
 
     def _account(self, decision: RouteDecision, outcome: Outcome) -> None:
         """The hit-rate breakdown, for answered requests only: the figures share one denominator."""
         m = self.metrics.model(decision.model)
         block_size = decision.route.block_size
-        chains, data = decision.chains, decision.prompt.data
-        rest = decision.rest
-        if rest is not None and rest.data is not None and rest.chain is not None:
-            chains, data = (rest.chain,), [rest.data]
-        tokens = len(data[0]) // 4 if data is not decision.prompt.data else decision.prompt.tokens
+        tokens = decision.prompt.tokens
         m.prompt_tokens.inc(tokens)
-        m.reuse_available.inc(self._observe_reuse(decision, chains, data) * block_size)
+        m.reuse_available.inc(self._observe_reuse(decision, decision.chains, decision.prompt.data) * block_size)
         m.reuse_predicted.inc(decision.predicted_blocks * block_size)
         cached = self.cached_tokens(outcome)
         if cached is not None:

@@ -44,17 +44,3 @@ def test_bounded():
     ids = list(range(16 * 20))
     memo.chain(token_bytes(ids), 16, 1)
     assert len(memo) == 5
-
-
-def test_a_chain_hashed_elsewhere_is_learned_as_if_hashed_here():
-    """A prompt routed on its head is hashed on the pool: the memo learns its spans after."""
-    rng = np.random.default_rng(5)
-    memo = ChainMemo(span_blocks=8)
-    turn1 = rng.integers(0, 50_000, 16 * 8 * 6 + 9).astype(np.uint32)
-    memo.learn(token_bytes(turn1), block_hashes(turn1, 16, 7), 16, 7)
-    assert len(memo) == 6 and (memo.hits, memo.misses) == (0, 0)
-    turn2 = np.concatenate([turn1, rng.integers(0, 50_000, 200).astype(np.uint32)])
-    assert memo.chain(token_bytes(turn2), 16, 7) == block_hashes(turn2, 16, 7)
-    assert memo.hits == 6
-    assert memo.chain(token_bytes(turn2), 16, 8) == block_hashes(turn2, 16, 8)  # another seed: nothing shared
-    assert memo.hits == 6

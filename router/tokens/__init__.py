@@ -5,8 +5,7 @@
     client_templates.py clients' own templates, rendered in worker processes under budgets
     template_worker.py  that worker process
     tokenizer.py        Tokenizer: one model's tokenizer + template, one encode path
-    head.py             a long new prompt's first ids, exact, the rest encoded after routing
-    long_text.py        verified cuts: very long texts in chunks, a prompt's head
+    long_text.py        verified cuts: very long texts in chunks
     loading.py          a Hugging Face tokenizer directory, read as transformers reads it
     registry.py         which tokenizer each model uses
     memory.py           giving freed heap back to the OS after a huge prompt
@@ -24,7 +23,6 @@ from .errors import (
     TokenizerNotFoundError,
     UnsupportedContentError,
 )
-from .head import PromptHead
 from .registry import TokenizerRegistry
 from .segments import CacheStats, SegmentCache
 from .tokenizer import Tokenizer
@@ -35,7 +33,6 @@ __all__ = [
     "ClientTemplateRefused",
     "ClientTemplates",
     "ContentFormat",
-    "PromptHead",
     "PromptTooLong",
     "RenderJob",
     "SegmentCache",

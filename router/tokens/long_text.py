@@ -5,9 +5,7 @@ tokens' strings and offsets): a 4 MB piece peaks at +433 MB, a 15 MB one at +1.6
 longer than 1.5 :data:`CHUNK_CHARS` is encoded in chunks, cut only where cutting changes nothing
 near the cut: at a candidate position ``p`` (preferably the end of a word, where pre-tokenizers
 split), encoding ``text[p-W:p]`` and ``text[p:p+W]`` apart must give exactly the ids of encoding
-``text[p-W:p+W]`` whole; where no candidate passes, the chunk grows.  :func:`encode_head` cuts
-the same way near the start of a text (the left side is then the whole prefix, not a window):
-the router routes on a new prompt's first ids and encodes the rest later (router/tokens/head.py).  Pre-tokenizers and BPE
+``text[p-W:p+W]`` whole; where no candidate passes, the chunk grows.  Pre-tokenizers and BPE
 decide tokens from the characters close by, so a cut that holds over a window of W = 512
 characters holds in the whole text (the tests check it on prose, whitespace runs, CJK and long
 words; a case it missed would change the router's block hashes, never an answer: engines
@@ -61,22 +59,9 @@ def _cut(encode: Encode, text: str, target: int, chunk_chars: int) -> int:
     return len(text)
 
 
-def encode_head(encode: Encode, text: str, target: int, window: int = SEAM_WINDOW) -> tuple[int, list[int]] | None:
-    """``(cut, ids of text[:cut])`` for a cut at or before ``target`` verified over ``window``
-    characters to its right: those ids are the first ids of encoding ``text`` whole, and
-    ``text[cut:]`` encodes to the rest.  None when no candidate verifies (or ``text`` is too short
-    to cut there): encode it whole."""
-    for p in _candidates(text, target, low=1, window=window):
-        b = p + window
-        left, right, whole = (e.ids for e in encode([text[:p], text[p:b], text[:b]]))
-        if left + right == whole:
-            return p, left
-    return None
-
-
-def _candidates(text: str, target: int, low: int = SEAM_WINDOW, window: int = SEAM_WINDOW) -> list[int]:
+def _candidates(text: str, target: int) -> list[int]:
     """Word ends just before ``target`` (last first), then plain positions (text without spaces),
     from ``low`` on and a window short of the end."""
     ends = [m.end() for m in _WORD_END.finditer(text, max(0, target - 4096), target)]
     plain = [target - 61 * k for k in range(_SEAM_TRIES)]
-    return [p for p in ends[::-1][:_SEAM_TRIES] + plain if low <= p <= len(text) - window]
+    return [p for p in ends[::-1][:_SEAM_TRIES] + plain if SEAM_WINDOW <= p <= len(text) - SEAM_WINDOW]

@@ -19,6 +19,8 @@ from typing import Any
 
 from tokenizers import AddedToken
 
+from ..blocks import token_bytes
+
 DEFAULT_CACHE_MAX_CHARS = 8_000_000
 DEFAULT_CACHE_MAX_ENTRIES = 200_000
 
@@ -34,6 +36,13 @@ U32_NATIVE = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 def ids_array(ids: Iterable[int]) -> Sequence[int]:
     return array.array("I", ids) if U32_NATIVE else tuple(ids)
+
+
+def to_bytes(pieces: Sequence[Sequence[int]]) -> bytes:
+    """Pieces of ids as uint32 little-endian bytes, joined in C where the arrays are native."""
+    if U32_NATIVE:
+        return b"".join(pieces)  # type: ignore[arg-type]  # arrays of uint32
+    return token_bytes([i for piece in pieces for i in piece])
 
 
 

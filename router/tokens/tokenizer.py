@@ -58,16 +58,15 @@ from .chat_template import (  # noqa: E402
 from .client_templates import ClientTemplates  # noqa: E402
 from .errors import ChatTemplateError, PromptTooLong  # noqa: E402
 from .loading import add_missing_special_tokens, install_post_processor, read_dir, special_tokens_of  # noqa: E402
-from .head import PromptHead, byte_level_expansion, long_segment, to_bytes  # noqa: E402
 from .long_text import encode_long, is_long  # noqa: E402
 from .memory import release_free_memory  # noqa: E402
 from .segments import (  # noqa: E402
     DEFAULT_CACHE_MAX_CHARS,
     DEFAULT_CACHE_MAX_ENTRIES,
-    U32_NATIVE,
     SegmentCache,
     Splitter,
     ids_array,
+    to_bytes,
     unsafe_to_split,
 )
 
@@ -170,7 +169,6 @@ class Tokenizer:
         self.segmented = reason is None
 
         self._prefix, self._suffix = self._special_wrapping()
-        self._expansion = byte_level_expansion(backend_config)
         self._chat_template = chat_template
         self._warm_templates()
         self.content_format = content_format
@@ -406,49 +404,6 @@ class Tokenizer:
         from the cached segments' arrays: no list of ints is built nor converted.  Over
         ``max_tokens``: :class:`PromptTooLong`, found before a huge text is tokenized whole."""
         return to_bytes(await self._apieces(text, add_special_tokens, max_tokens))
-
-    async def aencode_head(self, text: str, *, add_special_tokens: bool = False, max_tokens: int | None = None) -> bytes | PromptHead:
-        """:meth:`aencode_bytes`, or when most of ``text`` is new (one long segment not cached),
-        a :class:`PromptHead`: its first ids, exactly, the rest left to ``finish()``
-        (router/tokens/head.py).  A head's length is not known: with ``max_tokens``, a head only
-        when :meth:`tokens_at_most` proves the text within it (else it is encoded and counted)."""
-        if len(text) > PLAN_INLINE_MAX_CHARS:
-            found = await self._in_pool(lambda: self._head_or_plan(text, add_special_tokens, max_tokens))
-        else:
-            found = self._head_or_plan(text, add_special_tokens, max_tokens)
-        if isinstance(found, PromptHead):
-            return found
-        return to_bytes(await self._apieces(text, add_special_tokens, max_tokens, plan=found))
-
-    def _head_or_plan(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> PromptHead | _Plan:
-        plan = self._plan(text, add_special_tokens)
-        long_index = long_segment(plan)
-        if long_index is not None and (max_tokens is None or self._within(text, add_special_tokens, max_tokens)):
-            head = PromptHead(self, plan, long_index)
-            if head.start():
-                return head
-        return plan
-
-    def _within(self, text: str, add_special_tokens: bool, max_tokens: int) -> bool:
-        bound = self.tokens_at_most(text, add_special_tokens=add_special_tokens)
-        return bound is not None and bound <= max_tokens
-
-    async def agrow(self, head: PromptHead) -> bool:
-        """``head.grow()`` on the pool."""
-        return await self._in_pool(head.grow)
-
-    async def afinish(self, head: PromptHead) -> bytes:
-        """``head.finish()`` on the pool: the whole prompt's ids as bytes."""
-        return await self._in_pool(head.finish)
-
-    def tokens_at_most(self, text: str, *, add_special_tokens: bool) -> int | None:
-        """An upper bound of ``text``'s token count, without encoding it, or None if this
-        tokenizer gives none: a byte-level BPE makes at most one token per byte of the normalized
-        text, and NFC at most triples a text's UTF-8 bytes (UAX #15), ASCII not at all."""
-        if self._expansion is None or (add_special_tokens and self._prefix is None):
-            return None
-        n = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")) * self._expansion
-        return n + (len(self._prefix or ()) + len(self._suffix or ()) if add_special_tokens else 0)
 
     async def aencode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return await self.aencode(text, add_special_tokens=add_special_tokens)
