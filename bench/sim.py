@@ -345,7 +345,7 @@ class FleetSim:
             run.first_token[i] = u.time
             run.cached_tokens[i] = u.cached_tokens
             ttft = u.time - run.arrival[i]
-            seen = self.tracker.on_first_token(u.request_id, ttft)
+            seen = self.tracker.on_first_token(u.request_id, ttft, u.time)
             if seen is not None:
                 self.policy.on_first_token(seen[0], seen[1], ttft)
             return 0

@@ -4,15 +4,22 @@ Tracks what the router itself sent: requests in flight, and uncached prompt toke
 token has not come back (the prefill work queued ahead of a new request).  It also learns each
 replica's prefill rate online: a request's first token arrives after the prefill work that was
 queued ahead of it plus its own, so (work ahead + own uncached tokens) / TTFT samples the rate.
+The rate is sampled work over sampled time, each an EWMA over samples (a long prefill weighs
+what it took, where a mean of per-request rates lets short, overhead-bound ones dominate).  The
+prior holds until the first sample, which replaces it, as does a sample more than
+``RATE_STALE_S`` after the last one: a replica that got no traffic for a while may have
+recovered, or degraded, since.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DEFAULT_PREFILL_RATE = 10_000.0  # tokens/s, a prior until the first samples arrive
-RATE_EWMA_ALPHA = 0.2
+RATE_EWMA_ALPHA = 0.2  # weight of a new sample in the decayed sums
 MIN_SAMPLE_TOKENS = 64  # tiny prefills are dominated by fixed costs: poor rate samples
+RATE_STALE_S = 30.0  # a learned rate older than this is replaced by the next sample, not averaged
 
 
 @dataclass
@@ -22,6 +29,10 @@ class ReplicaLoad:
     in_flight: int = 0  # requests routed there and not finished
     queued_prefill_tokens: int = 0  # uncached prompt tokens routed there, first token not yet back
     prefill_rate: float = DEFAULT_PREFILL_RATE  # tokens/s, learned online
+    rate_sampled_at: float = -math.inf  # when the rate last took a sample (the caller's clock)
+    # the rate is work over time, both decayed per sample: long prefills weigh what they took
+    sampled_work: float = 0.0
+    sampled_time: float = 0.0
 
 
 @dataclass
@@ -56,8 +67,9 @@ class LoadTracker:
         st.queued_prefill_tokens += uncached_tokens
         self._pending[request_id] = _Pending(replica, uncached_tokens, work_ahead)
 
-    def on_first_token(self, request_id: str, ttft_s: float) -> tuple[str, int] | None:
-        """Returns (replica, uncached tokens) of the request, or None if unknown."""
+    def on_first_token(self, request_id: str, ttft_s: float, now: float) -> tuple[str, int] | None:
+        """Returns (replica, uncached tokens) of the request, or None if unknown.  ``now``: the
+        caller's clock (``RouteRequest.now``'s), when the first token came."""
         p = self._pending.get(request_id)
         if p is None or p.first_token_seen:
             return None
@@ -65,8 +77,12 @@ class LoadTracker:
         st = self.state(p.replica)
         st.queued_prefill_tokens = max(0, st.queued_prefill_tokens - p.uncached)
         if ttft_s > 0 and p.work_ahead >= MIN_SAMPLE_TOKENS:
-            sample = p.work_ahead / ttft_s
-            st.prefill_rate = (1 - RATE_EWMA_ALPHA) * st.prefill_rate + RATE_EWMA_ALPHA * sample
+            fresh = now - st.rate_sampled_at > RATE_STALE_S  # the first sample, or one after a silence
+            alpha = 1.0 if fresh else RATE_EWMA_ALPHA
+            st.sampled_work = (1 - alpha) * st.sampled_work + alpha * p.work_ahead
+            st.sampled_time = (1 - alpha) * st.sampled_time + alpha * ttft_s
+            st.prefill_rate = st.sampled_work / st.sampled_time
+            st.rate_sampled_at = now
         return p.replica, p.uncached
 
     def on_finished(self, request_id: str) -> None:

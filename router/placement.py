@@ -37,6 +37,7 @@ def snapshot(name: str, load: LoadTracker, running: int) -> ReplicaState:
         queued_prefill_tokens=own.queued_prefill_tokens,
         running=running,
         prefill_rate=own.prefill_rate,
+        rate_sampled_at=own.rate_sampled_at,
     )
 
 

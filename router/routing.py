@@ -363,7 +363,7 @@ class Router:
 
     # -- what happened ----------------------------------------------------------------------
     def first_token(self, decision: RouteDecision, ttft_s: float) -> None:
-        seen = self.load.on_first_token(decision.load_key, ttft_s)
+        seen = self.load.on_first_token(decision.load_key, ttft_s, time.monotonic())
         if seen is not None:
             replica, uncached = seen
             self.policy.on_first_token(replica, uncached, ttft_s)

@@ -620,6 +620,55 @@ def test_session_book_counts_active_sessions() -> None:
     assert book.home("b") == "r0"  # idle sessions keep their home for the hint
 
 
+def test_session_book_expects_the_turns_ended_sessions_had_left() -> None:
+    book = SessionBook(max_sessions=100, idle_s=10.0)
+    assert book.turns_left(3) == pytest.approx(2.0)  # the prior, before any session ended
+    for k in range(40):  # 40 sessions of 6 turns each, then idle
+        for t in range(6):
+            book.touch(f"s{k}", "r0", now=float(t))
+    assert book.turns("s0") == 6
+    book.expire(now=100.0)
+    assert book.turns("s0") == 0  # no longer active
+    # after turn 3 of 6, 2 more follow; after 6 none do: the prior's weight is 10 sessions
+    assert book.turns_left(3) == pytest.approx((2.0 * 10 + 2 * 40) / 50)
+    assert book.turns_left(6) == pytest.approx(2.0)  # no ended session got that far
+
+
+def slow_fleet(rates: tuple[float, ...], sampled_at: float = 0.0) -> list[ReplicaState]:
+    return [ReplicaState(name=f"r{i}", prefill_rate=rate, rate_sampled_at=sampled_at) for i, rate in enumerate(rates)]
+
+
+def test_cost_model_a_session_leaves_a_replica_that_serves_it_slowly() -> None:
+    """Staying on its slow replica is cheaper for this turn (its history is cached there), moving
+    is cheaper for the turns the session has left: the session moves.  On replicas whose rates
+    differ only by noise it stays."""
+    held = {"r0": 150}  # 2.4k tokens of history held by r0; the new turn adds ~300
+    turn = request(169, matches=held, session="s")
+    policy = make_policy("cost_model")
+    policy.choose(request(150, session="s"), slow_fleet((20_000, 20_000, 20_000)))  # s lives on r0 now
+    assert policy.session_replica("s") == "r0"
+    assert policy.choose(turn, slow_fleet((14_000, 20_000, 26_000))).replica == "r0"  # noise: stays
+    d = policy.choose(turn, slow_fleet((2_000, 20_000, 20_000)))  # 10x slower: leaves
+    assert d.replica != "r0" and d.reason in ("load", "balance")
+    off = make_policy("cost_model", slow_margin=None)
+    off.choose(request(150, session="s"), slow_fleet((20_000, 20_000, 20_000)))
+    assert off.choose(turn, slow_fleet((2_000, 20_000, 20_000))).replica == "r0"  # priced on the median rate
+
+
+def test_cost_model_a_slow_replica_takes_no_new_sessions_until_its_verdict_fades() -> None:
+    policy = make_policy("cost_model")
+    assert isinstance(policy, CostModelPolicy)
+    slow = slow_fleet((2_000, 20_000, 20_000))
+    picks = Counter(policy.choose(request(first=100 * k, session=f"s{k}"), slow).replica for k in range(12))
+    assert picks["r0"] == 0  # never "short of sessions", though it has none
+    # no sample for a while: the verdict fades and the replica is probed like any other
+    quiet_since = slow_fleet((2_000, 20_000, 20_000), sampled_at=-10 * policy.slow_memory_s)
+    late = [policy.choose(RouteRequest(chain=list(range(5000 + 100 * k, 5008 + 100 * k)), prompt_tokens=128,
+                                       block_size=BS, session_key=f"n{k}"), quiet_since).replica for k in range(6)]
+    assert "r0" in late
+    assert policy.slowness(quiet_since[0], 20_000.0, 0.0) == 1.0 < policy.slowness(slow[0], 20_000.0, 0.0)
+
+
 def test_cost_model_feeds_a_starved_replica() -> None:
     # r0..r2 hold the hot prefix, r3 holds nothing and is never the cheapest.
     replicas = fleet(6, 6, 6, 0)  # bound = max(ceil(3 * 19 / 4), 4) = 15: all qualify

@@ -8,6 +8,7 @@ It is synchronous and does no I/O: the caller has already done the index lookup.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ class ReplicaState:
     queued_prefill_tokens: int = 0  # uncached prompt tokens routed there, first token not yet back
     running: int = 0  # vllm:num_requests_running (scraped: other routers' requests show here)
     prefill_rate: float = 0.0  # tokens/s, learned online; 0 = unknown yet
+    rate_sampled_at: float = -math.inf  # when the rate last took a sample (``RouteRequest.now``'s clock)
 
 
 @dataclass

@@ -112,7 +112,11 @@ The choice:
    chosen in the last ``starve_window * n`` decisions, while the fleet is past ``bound_floor``,
    gets the next request, which builds the hot prefix there; from then on the estimate spreads
    the load over all holders.
-5. Session hint: if the replica that last served the request's session qualifies and its
+5. A slow replica (its learned rate below the median beyond noise: ``slowness``) costs its
+   slowness on this turn and, for a session, on the turns it is expected to have left; it takes
+   no new session as "short" of them and is not fed by rule 4; the verdict fades once it takes
+   no samples (docs/design.md §5.7).
+6. Session hint: if the replica that last served the request's session qualifies and its
    cost is within ``session_ratio * best + session_slack_s``, it keeps the session (the index
    may have lost or not yet learnt what it holds).  At most ``max_sessions`` are remembered (LRU).
 
@@ -147,6 +151,9 @@ SESSION_RATIO = 1.25
 SESSION_SLACK_S = 0.05
 MAX_SESSIONS = 100_000
 QUEUED_BEHIND = 3.0  # rho / (1 - rho) at rho = 0.75
+SLOW_MARGIN = 0.5  # a replica counts as slow by (median rate / its rate) - this, when above 1
+SLOW_MEMORY_S = 60.0  # a slow verdict fades over this time constant once its replica takes no samples
+SLOW_FADED = 0.05  # below this excess a fading verdict is gone: the replica takes sessions again
 SIGNAL_TAU_S = 30.0
 MAX_PREFIX_KEYS = 100_000
 
@@ -175,6 +182,8 @@ class CostModelPolicy(Policy):
         signal_tau_s: float = SIGNAL_TAU_S,
         explore: bool = True,
         keep_tokens: int | None = KEEP_TOKENS,
+        slow_margin: float | None = SLOW_MARGIN,
+        slow_memory_s: float = SLOW_MEMORY_S,
         seed: int = 0,
     ):
         """Tunables (defaults in the module constants; the module docstring says why):
@@ -197,6 +206,11 @@ class CostModelPolicy(Policy):
         default_prefill_rate: tokens/s for replicas with no learned rate (None: the
             LoadTracker's prior, router.load.DEFAULT_PREFILL_RATE).
         per_replica_rates: each replica's own learned rate instead of the median (False).
+        slow_margin: a replica whose learned rate is below the median by more than noise is
+            slow: its work costs (median / its rate) - slow_margin times more, on this turn and
+            on the turns its session is expected to have left (0.5); None: no replica is slow.
+        slow_memory_s: a slow verdict fades with this time constant while its replica takes no
+            rate samples, so that traffic probes it again (60 s).
         starve_window: decisions, in multiples of the fleet size, after which an unchosen
             replica gets the next request (8); 0 disables the rule.
         session_ratio, session_slack_s: how much worse than the best a session's replica may be
@@ -228,6 +242,8 @@ class CostModelPolicy(Policy):
         self.queued_behind = queued_behind
         self.explore = explore
         self.keep_tokens = keep_tokens
+        self.slow_margin = slow_margin
+        self.slow_memory_s = slow_memory_s
         self.heat = PrefixHeat(signal_tau_s, MAX_PREFIX_KEYS)
         self._decisions = 0
         self._last_pick: dict[str, int] = {}  # replica -> decision number of its last pick
@@ -238,6 +254,19 @@ class CostModelPolicy(Policy):
 
     def rate_of(self, r: ReplicaState) -> float:
         return r.prefill_rate if r.prefill_rate > 0 else self.default_prefill_rate
+
+    def slowness(self, r: ReplicaState, pooled: float, now: float) -> float:
+        """How many times slower than the fleet ``r`` serves (1: not slow).  Identical replicas'
+        learned rates differ by tens of percent (short prefills are mostly step overhead), so only
+        a shortfall beyond ``slow_margin`` counts; it fades once ``r`` takes no samples (the
+        next one after ``RATE_STALE_S`` replaces the stale rate: router/load.py)."""
+        if self.slow_margin is None:
+            return 1.0
+        excess = pooled / self.rate_of(r) - self.slow_margin - 1.0
+        if excess <= 0.0:
+            return 1.0
+        excess *= math.exp(-max(0.0, now - r.rate_sampled_at) / self.slow_memory_s)
+        return 1.0 + excess if excess >= SLOW_FADED else 1.0
 
     def est_ttft(self, req: RouteRequest, r: ReplicaState, rate: float | None = None, behind: float = 0.0) -> float:
         """Estimated cost in seconds of sending ``req`` to ``r`` (``rate``: that replica's own if
@@ -292,11 +321,20 @@ class CostModelPolicy(Policy):
             only = replicas[0].name
             return self._decided(req, only, "cache" if self.matched_blocks(req, only) else "load")
 
+        slow = [1.0] * n
         if self.per_replica_rates:
             cost = [self.est_ttft(req, r, behind=behind) for r in replicas]
         else:
             pooled = statistics.median(self.rate_of(r) for r in replicas)
-            cost = [self.est_ttft(req, r, pooled, behind) for r in replicas]
+            slow = [self.slowness(r, pooled, req.now) for r in replicas]
+            cost = [self.est_ttft(req, r, pooled / f, behind) for r, f in zip(replicas, slow)]
+            if key is not None and max(slow) > 1.0:
+                # a session placed on a slow replica is slow on every turn it has left: staying
+                # must beat moving over those turns, not this one alone
+                held_any = min(max(req.matches.values(), default=0), len(req.chain))
+                turn_work = self.own_work_weight * (1.0 + behind) * max(req.block_size, req.prompt_tokens - held_any * req.block_size)
+                left = self.sessions.turns_left(self.sessions.turns(key))
+                cost = [c + left * turn_work * (f - 1.0) / pooled for c, f in zip(cost, slow)]
 
         def rank(i: int) -> tuple[float, int, int]:
             return (cost[i], replicas[i].in_flight, (i - turn) % n)
@@ -312,15 +350,17 @@ class CostModelPolicy(Policy):
         home = self.sessions.home(key) if key is not None else None
         if key is not None and home is None and self.session_epsilon is not None:
             # A new session: its later turns follow it, so it goes where sessions are few: to a
-            # replica short of them if any (one back from a restart), never over the bound.
+            # replica short of them if any (one back from a restart), never over the bound.  A
+            # slow replica's sessions count as many times as it is slow, and it is never short.
             floor, limit = self.session_bounds(replicas, self.session_epsilon)
             active = [self.sessions.active(replicas[i].name) for i in allowed]
-            short = [i for i, a in zip(allowed, active) if a < floor]
-            allowed = short or [i for i, a in zip(allowed, active) if a + 1 <= limit] or allowed
+            short = [i for i, a in zip(allowed, active) if a < floor and slow[i] == 1.0]
+            allowed = short or [i for i, a in zip(allowed, active) if (a + 1) * slow[i] <= limit] or allowed
         if self.starve_window > 0 and bound > self.bound_floor:
+            # a slow replica is left alone on purpose: its verdict fades, and traffic probes it
             horizon = turn - self.starve_window * n
             last = self._last_pick
-            starved = [i for i in allowed if last.setdefault(replicas[i].name, turn) < horizon]
+            starved = [i for i in allowed if last.setdefault(replicas[i].name, turn) < horizon and slow[i] == 1.0]
             allowed = starved or allowed
 
         best_any = min(range(n), key=rank)
