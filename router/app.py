@@ -12,33 +12,29 @@ Endpoints
     GET  /admin/replicas                         replicas and their state      (admin token)
     POST /admin/replicas/drain | /undrain        {"replica": NAME}            (admin token)
 
-``RouterApp(settings)`` embeds the router in tests and the demo (``await start()``, ``.url``,
-``await stop()``); ``main(argv)`` is ``kvroute router``.  SIGTERM drains: /ready turns 503 while
-requests in flight finish (up to ``drain_timeout_s``), then the process exits.
+``RouterApp(settings)`` is the service: router/main.py runs it as the ``kvroute router`` process,
+tests and the demo embed it (``await start()``, ``.url``, ``await stop()``).  ``drain()`` turns
+/ready 503 while requests in flight finish (up to ``drain_timeout_s``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import hmac
 import itertools
 import logging
 import re
-import signal
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
-from pydantic import ValidationError
 
 from .access_log import AccessLog, trail_of
 from .body import BodyReader
-from .config import RouterSettings, load_settings
+from .config import RouterSettings
 from .cutoff import RequestCutoff
 from .errors import ApiError, error_middleware, error_response
 from .fleet import Fleet, Replica, ReplicaStatus
@@ -48,7 +44,6 @@ from .index.memory import MemoryIndex
 from .kvevents import KVEventSubscriber
 from .kvevents.metrics import KVEventsStateCollector
 from .load import LoadTracker
-from .logs import configure_logging
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import make_policy
 from .proxy import Outcome, Proxy, Timeouts, make_upstream_pool, make_upstream_session
@@ -61,9 +56,7 @@ from .server import ClientAppRunner, ClientLimits, announce_close, count_timeout
 from .tokens import ClientTemplates, TokenizerRegistry
 from .tokens.memory import keep_large_buffers_mapped
 from .worker_metrics import WorkerMetrics
-
-if TYPE_CHECKING:
-    from .workers import WorkerRole
+from .workers import WorkerRole
 
 log = logging.getLogger("kvroute.router")
 
@@ -589,58 +582,3 @@ class RouterApp:
         if self._worker is not None:
             self._worker.tell_others("undrain", name)
         return web.json_response({"replica": name, "draining": False})
-
-
-async def serve(settings: RouterSettings, *, worker: WorkerRole | None = None) -> None:
-    """Run until SIGTERM/SIGINT (or, a worker, its supervisor's end); then drain and stop."""
-    app = RouterApp(settings, worker=worker)
-    await app.start()
-    # Everything alive now (modules, tokenizers, settings) lives as long as the process: keep it out
-    # of the collector's generations, and collect the young one less often (requests allocate a lot).
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 50, 100)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if worker is None:
-        print(f"kvroute router listening on {app.url}", flush=True)
-    else:
-        worker.listening(app.url)  # the supervisor announces once all workers listen
-        worker.follow(app.fleet, on_orphaned=stop.set)
-    try:
-        await stop.wait()
-        log.info("signal received: draining (%d in flight)", app.in_flight)
-        if not await app.drain():
-            await app.cutoff.cut()  # the timeout passed: end what is left, then exit
-    finally:
-        await app.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        settings = load_settings(argv)
-    except SystemExit as exc:  # --help, or a flag argparse rejected (it printed why)
-        return int(exc.code or 0)
-    except (ValidationError, ValueError, OSError) as exc:
-        print(f"kvroute router: invalid settings: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_level, settings.log_format)
-    if settings.workers > 1:
-        from .workers import supervise
-
-        return supervise(settings)
-    import uvloop
-
-    try:
-        uvloop.run(serve(settings))
-    except (ValueError, OSError) as exc:  # a tokenizer path, a policy name, a port in use
-        print(f"kvroute router: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ import sys
 # pay for aiohttp and `kvroute router` does not pay for matplotlib.
 COMMANDS = {
     "sim": ("bench.sim_cli", "main", "fleet simulator: compare routing policies in virtual time"),
-    "router": ("router.app", "main", "run the cache-aware router (OpenAI-compatible proxy)"),
+    "router": ("router.main", "main", "run the cache-aware router (OpenAI-compatible proxy)"),
     "replica": ("replica.cli", "main", "run a replica: emulated, or real vLLM through the launcher"),
     "demo": ("bench.demo", "main", "router + emulated (or --engine vllm) replicas on loopback, round_robin vs cost_model"),
     "bench": ("bench.cli", "main", "benchmarks against a live endpoint: `kvroute bench replay --trace FILE --url URL`"),

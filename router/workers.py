@@ -1,7 +1,8 @@
 """``kvroute router --workers N``: N router processes on one port, under a small supervisor.
 
-Each worker is a whole router (router/app.py: its own event loop, fleet prober, KV-event
-subscribers and index client) listening on the same port with SO_REUSEPORT; the kernel spreads new
+Each worker is a whole router (router/main.py's ``serve_worker``, which this module is handed:
+its own event loop, fleet prober, KV-event subscribers and index client) listening on the same
+port with SO_REUSEPORT; the kernel spreads new
 connections over them by a hash of their addresses (a keep-alive connection stays with one
 worker).  The supervisor, this module:
 
@@ -103,33 +104,8 @@ class WorkerRole:
         loop.add_reader(fd, readable)
 
 
-def _worker_main(settings: RouterSettings, role: WorkerRole) -> None:
-    """A worker process: one router (``serve``) until a signal, or the supervisor's end."""
-    import uvloop
-
-    from .app import serve
-    from .logs import configure_logging
-
-    configure_logging(settings.log_level, settings.log_format)
-    for handler in logging.getLogger().handlers:  # every line says which worker wrote it
-        handler.addFilter(_WorkerTag(role.index))
-    try:
-        uvloop.run(serve(settings, worker=role))
-    except (ValueError, OSError) as exc:  # a tokenizer path, a policy name, a port in use
-        print(f"kvroute router worker {role.index}: {exc}", file=sys.stderr)
-        sys.exit(2)
-
-
-class _WorkerTag(logging.Filter):
-    """Adds ``worker`` to every record: a field of JSON lines, ``worker=N`` at the end of text ones."""
-
-    def __init__(self, index: int):
-        super().__init__()
-        self.index = index
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.worker = self.index
-        return True
+# what each worker process runs (module-level, so that a spawned interpreter can import it)
+WorkerMain = Callable[[RouterSettings, WorkerRole], None]
 
 
 async def _readable(fd: int) -> None:
@@ -143,8 +119,9 @@ async def _readable(fd: int) -> None:
 
 
 class Supervisor:
-    def __init__(self, settings: RouterSettings, metrics_dir: str):
+    def __init__(self, settings: RouterSettings, metrics_dir: str, worker_main: WorkerMain):
         self.settings = settings
+        self.worker_main = worker_main
         self.metrics_dir = metrics_dir
         self.restarts = 0
         self._spawn = multiprocessing.get_context("spawn")
@@ -188,7 +165,7 @@ class Supervisor:
         while not self._stopping.is_set():
             parent, child = self._spawn.Pipe()
             role = WorkerRole(index, restarted, tuple(sorted(self._drained)), child)
-            proc = self._spawn.Process(target=_worker_main, args=(self.settings, role), name=f"kvroute-worker-{index}")
+            proc = self._spawn.Process(target=self.worker_main, args=(self.settings, role), name=f"kvroute-worker-{index}")
             proc.start()
             child.close()
             started = time.monotonic()
@@ -262,11 +239,11 @@ class Supervisor:
                 pass  # exited meanwhile
 
 
-def supervise(settings: RouterSettings) -> int:
-    """Run ``settings.workers`` workers until SIGTERM/SIGINT; the exit status."""
+def supervise(settings: RouterSettings, worker_main: WorkerMain) -> int:
+    """Run ``settings.workers`` processes of ``worker_main`` until SIGTERM/SIGINT; the exit status."""
     metrics_dir = tempfile.mkdtemp(prefix="kvroute-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir  # the workers inherit it: prometheus-client reads it at import
     try:
-        return asyncio.run(Supervisor(settings, metrics_dir).run())
+        return asyncio.run(Supervisor(settings, metrics_dir, worker_main).run())
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

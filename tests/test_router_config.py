@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from router.app import main
+from router.main import main
 from router.config import load_settings
 
 
