@@ -48,7 +48,8 @@ from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import make_policy
 from .proxy import Outcome, Proxy, Timeouts, make_upstream_pool, make_upstream_session
 from .requests import Kind, decode_json_object, parse_request
-from .responses import ResponseMemory, parse_responses
+from .response_memory import ResponseMemory
+from .responses import parse_responses
 from .reconcile import EngineCacheCounters
 from .reuse import ReuseTracker
 from .routing import Router

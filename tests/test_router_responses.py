@@ -10,7 +10,8 @@ import openai
 import pytest
 
 from router.requests import ParsedRequest
-from router.responses import ResponseMemory, parse_responses
+from router.response_memory import ResponseMemory
+from router.responses import parse_responses
 from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, sample, scrape
 
 LONG = "Tell me about the history of prefix caching in inference engines, in detail. " * 12
