@@ -1,0 +1,2 @@
+redis.call('UNLINK', L, C, PIN, X, T)
+return 1

@@ -1,0 +1,3 @@
+in_chunks('ZREM', L, redis.call('SMEMBERS', C))
+redis.call('UNLINK', C)
+return 1

@@ -1,0 +1,1 @@
+return redis.call('ZCARD', L) - redis.call('ZCOUNT', X, '-inf', now_ms())
