@@ -26,9 +26,9 @@ sim: install
 	$(BIN)/kvroute sim --workload sessions --replicas 8 --policy all
 
 bench: install
-	$(BIN)/python -m bench.hash_bench
-	$(BIN)/python -m bench.index_bench
-	$(BIN)/python -m bench.tokenize_bench
+	$(BIN)/python -m kvroute.bench.hash_bench
+	$(BIN)/python -m kvroute.bench.index_bench
+	$(BIN)/python -m kvroute.bench.tokenize_bench
 
 # A soak (not in CI): the router's RSS and latency p50/p99 for SOAK_MINUTES at SOAK_RATE req/s, a
 # table, build/soak.json and build/soak.png; fails if RSS grows > 5% after the first minute or p99
@@ -38,7 +38,7 @@ SOAK_MINUTES ?= 10
 SOAK_ARGS ?=
 .PHONY: soak
 soak: install
-	$(BIN)/python -m bench.soak --rate $(SOAK_RATE) --minutes $(SOAK_MINUTES) --out build/soak $(SOAK_ARGS)
+	$(BIN)/python -m kvroute.bench.soak --rate $(SOAK_RATE) --minutes $(SOAK_MINUTES) --out build/soak $(SOAK_ARGS)
 
 # The router's overhead, side by side with SGLang's router (the issue's reference) on this machine.
 SGLANG_VENV ?= .venv-sglang
@@ -52,7 +52,7 @@ $(SGLANG_VENV)/.installed:
 	@touch $@
 
 bench-overhead: install venv-sglang
-	$(BIN)/python -m bench.router_overhead --sglang-python $(SGLANG_VENV)/bin/python
+	$(BIN)/python -m kvroute.bench.router_overhead --sglang-python $(SGLANG_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

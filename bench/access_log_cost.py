@@ -1,4 +1,4 @@
-"""What the access log costs the router: ``python -m bench.access_log_cost``.
+"""What the access log costs the router: ``python -m kvroute.bench.access_log_cost``.
 
 Emulated replicas answering at once (one child process) behind three ``kvroute router`` processes
 that differ only in logging: ``--no-access-log``, the access log as text, and as JSON (each
@@ -17,14 +17,14 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.processes import spawn, stop_all
-from bench.router_overhead import _REPLICAS_CHILD, MODEL, REPO, TOKENIZER, process_cpu_s
+from kvroute.bench.processes import spawn, stop_all
+from kvroute.bench.router_overhead import _REPLICAS_CHILD, MODEL, REPO, TOKENIZER, process_cpu_s
 
 VARIANTS = {"off": ["--no-access-log"], "text": [], "json": ["--log-format", "json"]}
 
 
 async def _router(urls: list[str], extra: list[str], log: Path) -> tuple[asyncio.subprocess.Process, str]:
-    args = [sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0", "--replicas",
+    args = [sys.executable, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0", "--replicas",
             ",".join(urls), "--tokenizer", str(TOKENIZER), "--log-level", "info", *extra]
     with log.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, stderr=err, cwd=str(REPO))
@@ -81,7 +81,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.access_log_cost", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvroute.bench.access_log_cost", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=1000, help="requests per router, round and kind")
     p.add_argument("--concurrency", type=int, default=32)

@@ -1,5 +1,5 @@
 """Bytes per entry of the router's bounded caches, and what each holds at its default bound:
-``python -m bench.cache_costs``.  A soak at the default bounds sees RSS grow while these fill
+``python -m kvroute.bench.cache_costs``.  A soak at the default bounds sees RSS grow while these fill
 (hours at 10 req/s); this says how far.  Each cache is filled with N new entries under tracemalloc.
 """
 
@@ -15,14 +15,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from replica.assets import TINY_TOKENIZER
-from router.index.base import ReplicaSpec
-from router.index.memory import MemoryIndex
-from router.policy.cost_model import MAX_PREFIX_KEYS, MAX_SESSIONS, SIGNAL_TAU_S, SessionBook
-from router.policy.prefix_heat import PrefixHeat
-from router.reuse import ReuseTracker
-from router.tokens import Tokenizer
-from router.tokens.segments import DEFAULT_CACHE_MAX_CHARS
+from kvroute.replica.assets import TINY_TOKENIZER
+from kvroute.router.index.base import ReplicaSpec
+from kvroute.router.index.memory import MemoryIndex
+from kvroute.router.policy.cost_model import MAX_PREFIX_KEYS, MAX_SESSIONS, SIGNAL_TAU_S, SessionBook
+from kvroute.router.policy.prefix_heat import PrefixHeat
+from kvroute.router.reuse import ReuseTracker
+from kvroute.common.tokens import Tokenizer
+from kvroute.common.tokens.segments import DEFAULT_CACHE_MAX_CHARS
 
 BLOCKS_PER_PROMPT = 20
 MESSAGE = "question {}: how do caches and routers interact, and what do they share? "  # ~75 chars
@@ -80,7 +80,7 @@ def segment_cache(n: int) -> Tokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.cache_costs", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvroute.bench.cache_costs", description=__doc__.split("\n")[0])
     p.add_argument("-n", type=int, default=20_000, help="entries per cache")
     n = p.parse_args(argv).n
     message_chars = len(MESSAGE.format(n // 2))

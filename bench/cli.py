@@ -7,7 +7,7 @@ import sys
 
 # subcommand -> (module, help); each module has main(argv) and is imported only when chosen.
 SUBCOMMANDS = {
-    "replay": ("bench.replay", "replay a Mooncake-format trace against an OpenAI-compatible endpoint"),
+    "replay": ("kvroute.bench.replay", "replay a Mooncake-format trace against an OpenAI-compatible endpoint"),
 }
 
 

@@ -192,7 +192,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not isinstance(args.policy_options, dict):
         p.error("--policy-options must be a JSON object")
     if args.engine == "emulated":
-        from replica.emulated.profile import PROFILES
+        from kvroute.replica.emulated.profile import PROFILES
 
         if args.profile not in PROFILES:
             p.error(f"unknown --profile {args.profile!r}; choose from {', '.join(PROFILES)}")
@@ -372,8 +372,8 @@ def pass_limit(records: list[RequestRecord], args: argparse.Namespace, tokenizer
     the emulated replicas' profile at their time scale.  None for engines without a profile."""
     if args.engine != "emulated":
         return None
-    from replica.emulated.profile import PROFILES
-    from router.tokens import Tokenizer
+    from kvroute.replica.emulated.profile import PROFILES
+    from kvroute.common.tokens import Tokenizer
 
     profile = PROFILES[args.profile]
     tokenizer = Tokenizer.from_dir(tokenizer_dir)
@@ -386,7 +386,7 @@ def pass_limit(records: list[RequestRecord], args: argparse.Namespace, tokenizer
 
 def demo_limit(details: Mapping[str, Mapping[str, Any]]) -> dict[str, float] | None:
     """The limit's percentiles over the requests every pass answered, each at its lowest (see
-    `bench.limit.fleet_limit`); None without a timing profile."""
+    `kvroute.bench.limit.fleet_limit`); None without a timing profile."""
     per_pass = [d["limit_s"] for d in details.values()]
     if any(p is None for p in per_pass):
         return None
@@ -401,7 +401,7 @@ def prefill_load(records: list[RequestRecord], args: argparse.Namespace, wall: f
     kept the replicas: the same workload costs round_robin more, since it recomputes more."""
     if args.engine != "emulated":
         return None
-    from replica.emulated.profile import PROFILES
+    from kvroute.replica.emulated.profile import PROFILES
 
     profile = PROFILES.get(args.profile)
     if profile is None or wall <= 0:

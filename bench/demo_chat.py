@@ -162,7 +162,7 @@ def build_workload(seed: int, sessions: int, session_rate: float, cfg: ChatConfi
 @dataclass(frozen=True)
 class ConversationChat:
     """The demo's `conversation` workload: the simulator's production-like shape
-    (`bench.workloads.ConversationConfig`: heavy-tailed contexts, system prompts of several sizes
+    (`kvroute.bench.workloads.ConversationConfig`: heavy-tailed contexts, system prompts of several sizes
     with Zipf popularity, lognormal turns and think times, bursty starts) in words, fitted to a
     demo: contexts under the emulated replicas' 32k-token context, at most 12 turns, and users
     who leave after `think_max_s` (a pass lasts as long as its slowest conversation)."""

@@ -4,7 +4,7 @@ The replica backend is swappable: anything with the `ReplicaFleet` shape (``urls
 ``describe()``, ``async start()``, ``async stop()``) can stand behind the router.  `EmulatedFleet`
 runs emulated replicas in this process (one shared tokenizer; the engines' timing profile sped
 up or slowed down by ``time_scale``).  `--engine vllm` (`make demo-vllm`) plugs in through
-``replica.vllm.demo_fleet(count, model=..., time_scale=..., profile=...)``: real vLLM replicas
+``kvroute.replica.vllm.demo_fleet(count, model=..., time_scale=..., profile=...)``: real vLLM replicas
 (replica/vllm_fleet.py), which ignore the emulated options.  Building a fleet starts nothing:
 ``start()`` does; a start that cannot succeed raises `FleetError` (or `OSError`), saying why.
 
@@ -34,10 +34,10 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from replica.assets import TINY_TOKENIZER
-from replica.vllm_fleet import FleetError  # noqa: F401 - what a fleet's start() raises: the demo reports it
-from router.app import RouterApp
-from router.config import RouterSettings
+from kvroute.replica.assets import TINY_TOKENIZER
+from kvroute.replica.vllm_fleet import FleetError  # noqa: F401 - what a fleet's start() raises: the demo reports it
+from kvroute.router.app import RouterApp
+from kvroute.router.config import RouterSettings
 
 
 TOKENIZER_DIR = TINY_TOKENIZER  # the router's, unless the fleet names its own
@@ -88,8 +88,8 @@ class EmulatedFleet:
         return f"{self.count} emulated replicas (profile {self.profile}, time scale {self.time_scale:g})"
 
     async def start(self) -> None:
-        from replica.emulated.server import EmulatedReplica, ReplicaConfig
-        from router.tokens import Tokenizer
+        from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
+        from kvroute.common.tokens import Tokenizer
 
         # One tokenizer for all replicas, built fresh for every fleet: its segment cache is
         # part of the cold start (a second pass must not find the first pass's text tokenized).
@@ -128,7 +128,7 @@ def fleet_factory(engine: str) -> FleetFactory:
     if engine == "emulated":
         return EmulatedFleet
     if engine == "vllm":
-        from replica.vllm import demo_fleet
+        from kvroute.replica.vllm import demo_fleet
 
         return demo_fleet
     raise EngineUnavailable(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")

@@ -1,4 +1,4 @@
-"""KV-event subscriber speed: `python -m bench.event_bench [--redis URL] [--json]`.
+"""KV-event subscriber speed: `python -m kvroute.bench.event_bench [--redis URL] [--json]`.
 
 1. decode: one batch holding a BlockStored of ``--blocks`` blocks (vLLM's map events, and the
    positional form of vLLM <= 0.23), and a BlockRemoved batch: microseconds per batch.
@@ -27,11 +27,11 @@ from typing import Any
 
 import msgspec
 
-from replica.emulated.publisher import BlockRemoved, BlockStored, KVEventPublisher
-from bench.timing import per_call_us
-from router.index import MemoryIndex, RedisIndex, ReplicaSpec
-from router.index.base import PrefixIndex
-from router.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber
+from kvroute.replica.emulated.publisher import BlockRemoved, BlockStored, KVEventPublisher
+from kvroute.bench.timing import per_call_us
+from kvroute.router.index import MemoryIndex, RedisIndex, ReplicaSpec
+from kvroute.router.index.base import PrefixIndex
+from kvroute.router.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber
 
 MODEL = "bench-model"
 BS = 16

@@ -1,4 +1,4 @@
-"""Block-chain hashing speed: `python -m bench.hash_bench`.
+"""Block-chain hashing speed: `python -m kvroute.bench.hash_bench`.
 
 Hashes an 8,192-token prompt (block size 16 -> 512 blocks) many times and prints the median and
 p99 per call, for a numpy uint32 array (the tokenizer path can hand one over) and a Python list.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import numpy as np
 
-from bench.timing import per_call_us
-from router.blocks import block_hashes, namespace_seed
+from kvroute.bench.timing import per_call_us
+from kvroute.common.blocks import block_hashes, namespace_seed
 
 
 def main(argv: list[str] | None = None) -> None:

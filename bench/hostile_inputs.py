@@ -1,4 +1,4 @@
-"""What hostile inputs cost the router: ``python -m bench.hostile_inputs``.
+"""What hostile inputs cost the router: ``python -m kvroute.bench.hostile_inputs``.
 
 The router (``kvroute router``, the tiny tokenizer, client chat templates allowed, 1 s budget) and
 one emulated replica run as child processes; this process is the client.  For each input, sent
@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from bench.router_overhead import _REPLICAS_CHILD, MODEL, TOKENIZER, spawn, text_of
+from kvroute.bench.router_overhead import _REPLICAS_CHILD, MODEL, TOKENIZER, spawn, text_of
 
 BOMB = "{% for i in range(100000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
 
@@ -87,7 +87,7 @@ async def run(args: argparse.Namespace) -> dict:
         rep_proc, urls = await spawn([py, "-c", _REPLICAS_CHILD, "1", MODEL])
         procs.append(rep_proc)
         router_proc, line = await spawn(
-            [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0", "--replicas", urls,
+            [py, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0", "--replicas", urls,
              "--tokenizer", str(TOKENIZER), "--log-level", "warning", "--allow-client-chat-template"]
         )
         procs.append(router_proc)

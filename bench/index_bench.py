@@ -1,4 +1,4 @@
-"""Prefix-index speed and Redis memory: `python -m bench.index_bench [--redis-url URL]`.
+"""Prefix-index speed and Redis memory: `python -m kvroute.bench.index_bench [--redis-url URL]`.
 
 Lookup: a 512-block chain over 8 replicas, replica i holding its first 64·(i+1) blocks, with the
 entries confirmed (the steady state of replicas with KV events), predicted on replicas without
@@ -28,9 +28,9 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from router.index import MemoryIndex, PrefixIndex, RedisIndex, ReplicaSpec
+from kvroute.router.index import MemoryIndex, PrefixIndex, RedisIndex, ReplicaSpec
 
-from bench.timing import per_call_us
+from kvroute.bench.timing import per_call_us
 
 CHAIN_BLOCKS = 512
 REPLICAS = 8

@@ -71,7 +71,7 @@ def limit_ttfts(profile: Any, prompt_tokens: Sequence[int], seen_blocks: Sequenc
 
 def chains_of(prompts: Sequence[Sequence[int]], block_size: int) -> list[list[int]]:
     """Block chains of token-id prompts (one namespace: only equality between them matters)."""
-    from router.blocks import block_hashes, namespace_seed
+    from kvroute.common.blocks import block_hashes, namespace_seed
 
     seed = namespace_seed("kvroute-limit")
     return [block_hashes(ids, block_size, seed) for ids in prompts]

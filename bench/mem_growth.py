@@ -1,4 +1,4 @@
-"""What grows in the router under the soak's traffic: ``python -m bench.mem_growth``.
+"""What grows in the router under the soak's traffic: ``python -m kvroute.bench.mem_growth``.
 
 The router runs in this process under tracemalloc (the replicas in children, as in bench/soak.py);
 after a warm-up the allocations still live are snapshotted twice, ``--interval-s`` apart, and the
@@ -17,22 +17,22 @@ import gc
 import sys
 import tracemalloc
 
-from bench.processes import spawn, stop_all
-from bench.soak import MODEL, SMALL_BOUNDS, SMALL_BOUNDS_REPLICA, TEXTS, TOKENIZER, drive
+from kvroute.bench.processes import spawn, stop_all
+from kvroute.bench.soak import MODEL, SMALL_BOUNDS, SMALL_BOUNDS_REPLICA, TEXTS, TOKENIZER, drive
 
 FRAMES = 8
 
 
 async def run(args: argparse.Namespace) -> None:
-    from router.app import RouterApp
-    from router.config import RouterSettings
+    from kvroute.router.app import RouterApp
+    from kvroute.router.config import RouterSettings
 
     py = sys.executable
     small = args.cache_bounds == "small"
     procs, urls = [], []
     try:
         for _ in range(args.replicas):
-            proc, url = await spawn([py, "-m", "router.cli", "replica", "--engine", "emulated", "--port", "0",
+            proc, url = await spawn([py, "-m", "kvroute.cli", "replica", "--engine", "emulated", "--port", "0",
                                      "--model", MODEL, "--time-scale", "0.05", "--log-level", "WARNING",
                                      *(SMALL_BOUNDS_REPLICA if small else [])])
             procs.append(proc)
@@ -63,7 +63,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.mem_growth", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvroute.bench.mem_growth", description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=20.0)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--warmup-s", type=float, default=60.0)

@@ -1,8 +1,8 @@
 """Proxies that do nothing but forward: the floor under any Python router's CPU per request.
 
-``python -m bench.proxy_floor --server aiohttp|protocol URL [URL ...]`` listens on a free port
+``python -m kvroute.bench.proxy_floor --server aiohttp|protocol URL [URL ...]`` listens on a free port
 (``--port``), prints ``listening on http://127.0.0.1:PORT`` and sends each POST, body untouched,
-to the next replica in turn through the router's own upstream client (``router.upstream``), then
+to the next replica in turn through the router's own upstream client (``kvroute.router.upstream``), then
 returns the replica's answer whole.  No JSON is parsed, nothing is tokenized, hashed or counted.
 
 * ``aiohttp``: an aiohttp web application with one handler, as the router is built (aiohttp's
@@ -10,7 +10,7 @@ returns the replica's answer whole.  No JSON is parsed, nothing is tokenized, ha
 * ``protocol``: a bare ``asyncio.Protocol`` on uvloop that finds the end of the head and
   ``Content-Length`` with ``bytes.find``: what Python and the kernel cost, without a framework.
 
-``bench.router_overhead`` runs both beside kvroute and SGLang's router, so that kvroute's CPU
+``kvroute.bench.router_overhead`` runs both beside kvroute and SGLang's router, so that kvroute's CPU
 per request splits into the framework's share and the routing's own.  Neither is a server to
 deploy: no chunked request bodies, no limits, no error answers beyond a 502.
 """
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import uvloop
 from aiohttp import web
 
-from router.upstream import UpstreamPool
+from kvroute.router.upstream import UpstreamPool
 
 _HEADERS = {"Content-Type": "application/json"}
 
@@ -112,7 +112,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m bench.proxy_floor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvroute.bench.proxy_floor", description=__doc__.split("\n")[0])
     p.add_argument("--server", choices=("aiohttp", "protocol"), required=True)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("replicas", nargs="+")

@@ -1,6 +1,6 @@
 """Where a policy's reuse goes: each routing decision checked against the engines' caches.
 
-    python -m bench.reuse_loss --workload trace --replicas 8 --seed 1 --policy cost_model,sglang_cache_aware
+    python -m kvroute.bench.reuse_loss --workload trace --replicas 8 --seed 1 --policy cost_model,sglang_cache_aware
 
 The flags are `kvroute sim`'s (same requests, rate and fleet).  Per request, just before the
 decision, it reads how many leading blocks of the prompt each engine's prefix cache holds and what
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from router.policy import make_policy
+from kvroute.router.policy import make_policy
 
 from .sim import FleetConfig, FleetSim, PreparedWorkload, drive
 from .sim_cli import parse_args, prepared_workload, resolve_policies, resolve_profile
@@ -81,8 +81,8 @@ def audit(sim: AuditedSim) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv), "python -m bench.reuse_loss", __doc__.splitlines()[0])
-    profile = resolve_profile(args.profile, "python -m bench.reuse_loss")
+    args = parse_args(list(sys.argv[1:] if argv is None else argv), "python -m kvroute.bench.reuse_loss", __doc__.splitlines()[0])
+    profile = resolve_profile(args.profile, "python -m kvroute.bench.reuse_loss")
     prepared, _ = prepared_workload(args, profile)
     cfg = FleetConfig(replicas=args.replicas, profile=profile, kv_events=args.kv_events)
     results = {name: audit(AuditedSim(prepared, make_policy(name, seed=args.seed), cfg)) for name in resolve_policies(args.policy)}

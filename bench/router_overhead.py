@@ -1,4 +1,4 @@
-"""What the router adds in front of replicas that answer at once: ``python -m bench.router_overhead``.
+"""What the router adds in front of replicas that answer at once: ``python -m kvroute.bench.router_overhead``.
 
 Emulated replicas with ``time_scale`` 0 (no modelled GPU time) run in one child process, the router
 (``kvroute router``, cost_model, the tiny tokenizer, in-memory index) in another, so its CPU time
@@ -25,7 +25,7 @@ policy; the README quotes the last run's figures.  CPU figures depend on the mac
 runs here too, in front of the same replicas with ``--policy cache_aware``, measured in the same
 interleaved rounds: the comparison that counts is the one on one machine in one run.
 
-Beside them, two proxies that only forward (``bench.proxy_floor``: no parsing, no routing) are
+Beside them, two proxies that only forward (``kvroute.bench.proxy_floor``: no parsing, no routing) are
 measured under the same load: one on aiohttp's server, as kvroute is built, and one on a bare
 ``asyncio.Protocol``.  They split kvroute's CPU per request into what Python and the kernel cost,
 what aiohttp's server adds, and what the routing itself adds (``--no-floors`` skips them).
@@ -47,9 +47,9 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from bench.processes import stop_all
-from replica.assets import TINY_TOKENIZER
-from replica.vllm import free_port
+from kvroute.bench.processes import stop_all
+from kvroute.replica.assets import TINY_TOKENIZER
+from kvroute.replica.vllm import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = TINY_TOKENIZER
@@ -62,7 +62,7 @@ import asyncio, logging, sys
 import uvloop
 # SGLang's router probes its workers for HTTP/2 (gRPC) first: not worth a traceback each
 logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-from replica.emulated.server import EmulatedReplica, ReplicaConfig
+from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 
 async def main(n):
     reps = [EmulatedReplica(ReplicaConfig(model=sys.argv[2], time_scale=0.0)) for _ in range(n)]
@@ -201,7 +201,7 @@ def p50_ms(xs: list[float]) -> float:
 
 
 SGLANG_VENV = REPO / ".venv-sglang"
-FLOOR_SERVERS = ("aiohttp", "protocol")  # bench.proxy_floor --server
+FLOOR_SERVERS = ("aiohttp", "protocol")  # kvroute.bench.proxy_floor --server
 FLOOR_LABELS = {"floor_aiohttp": "aiohttp server + upstream client, no routing",
                 "floor_protocol": "asyncio.Protocol + upstream client, no routing"}
 
@@ -255,7 +255,7 @@ async def run(args: argparse.Namespace) -> dict:
         for name, repo, workers in variants:
             port = "0" if workers == 1 else str(free_port())
             proc, line = await spawn(
-                [py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", port, "--replicas", ",".join(urls),
+                [py, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", port, "--replicas", ",".join(urls),
                  "--tokenizer", str(TOKENIZER), "--policy", "cost_model", "--log-level", "warning",
                  "--max-in-flight", "4096", *(["--workers", str(workers)] if repo == REPO else []),
                  # the replicas' one process is saturated at c=64 on a shared machine: a probe
@@ -275,7 +275,7 @@ async def run(args: argparse.Namespace) -> dict:
         floors: dict[str, str] = {}
         for server in () if args.no_floors else FLOOR_SERVERS:
             name = f"floor_{server}"
-            floor_proc, line = await spawn([py, "-m", "bench.proxy_floor", "--server", server, *urls])
+            floor_proc, line = await spawn([py, "-m", "kvroute.bench.proxy_floor", "--server", server, *urls])
             procs.append(floor_proc)
             floors[name], pids[name] = line.rsplit(" ", 1)[-1], floor_proc.pid
         return await measure_all(args, urls, routers, pids, floors)
@@ -363,16 +363,16 @@ async def measure_all(
 async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: int) -> dict[str, dict[str, float]]:
     """Microseconds per stage of the routing pipeline, in this process, for both prompts: the
     stages on the request's path, then, apart, the reuse accounting done after the answer."""
-    from router.blocks import namespace_seed
-    from router.chain_memo import ChainMemo
-    from router.index.base import ReplicaSpec
-    from router.index.memory import MemoryIndex
-    from router.load import LoadTracker
-    from router.placement import snapshot
-    from router.policy import RouteRequest, make_policy
-    from router.requests import parse_request
-    from router.reuse import ReuseTracker
-    from router.tokens import Tokenizer
+    from kvroute.common.blocks import namespace_seed
+    from kvroute.router.chain_memo import ChainMemo
+    from kvroute.router.index.base import ReplicaSpec
+    from kvroute.router.index.memory import MemoryIndex
+    from kvroute.router.load import LoadTracker
+    from kvroute.router.placement import snapshot
+    from kvroute.router.policy import RouteRequest, make_policy
+    from kvroute.common.requests import parse_request
+    from kvroute.router.reuse import ReuseTracker
+    from kvroute.common.tokens import Tokenizer
 
     tok = Tokenizer.from_dir(TOKENIZER)
     seed = namespace_seed(MODEL)
@@ -466,7 +466,7 @@ def print_table(results: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.router_overhead", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvroute.bench.router_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--requests", type=int, default=200, help="sequential requests per unloaded measure")
     p.add_argument("--load-requests", type=int, default=1500, help="requests of the concurrency-64 CPU measure")
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-rounds", type=int, default=1, help="rounds of the concurrency measure, in alternating order")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--no-floors", action="store_true", help="skip the forward-only proxies (bench.proxy_floor)")
+    p.add_argument("--no-floors", action="store_true", help="skip the forward-only proxies (kvroute.bench.proxy_floor)")
     p.add_argument("--cases", type=lambda v: v.split(","), default=[],
                    help="only these prompts (comma-separated: multi_turn_16k_seen, new_16k_unseen, short_chat_floor)")
     p.add_argument("--workers", type=lambda v: [int(w) for w in v.split(",") if w], default=[],

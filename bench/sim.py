@@ -1,9 +1,9 @@
 """Fleet simulator: the real routing code against N emulated engines, in virtual time.
 
 Per request the router side runs exactly what the router service runs: block-chain hashing
-(`router.blocks`), one prefix-index lookup (`MemoryIndex` on a virtual clock), the policy's
+(`kvroute.common.blocks`), one prefix-index lookup (`MemoryIndex` on a virtual clock), the policy's
 `choose`/`on_routed`, the index prediction, and `LoadTracker` accounting; the engines
-(`replica.emulated.engine.EmulatedEngine`) model vLLM's prefix cache and step timing.  Engines'
+(`kvroute.replica.emulated.engine.EmulatedEngine`) model vLLM's prefix cache and step timing.  Engines'
 KV events (BlockStored / BlockRemoved / AllBlocksCleared) feed the index as the router's event
 subscriber would, with no delivery delay.
 
@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from router.blocks import block_hashes, namespace_seed
-from router.index.base import ReplicaSpec
-from router.index.client import IndexClient
-from router.index.memory import MemoryIndex
-from router.load import LoadTracker
-from router.placement import Placement, snapshot
-from router.policy.base import Policy, RouteRequest
+from kvroute.common.blocks import block_hashes, namespace_seed
+from kvroute.router.index.base import ReplicaSpec
+from kvroute.router.index.client import IndexClient
+from kvroute.router.index.memory import MemoryIndex
+from kvroute.router.load import LoadTracker
+from kvroute.router.placement import Placement, snapshot
+from kvroute.router.policy.base import Policy, RouteRequest
 
 from .limit import available_blocks, limit_ttfts, prefill_seconds
 from .workloads import Workload, text_proxy
@@ -179,7 +179,7 @@ def offered_load_rate(prepared: PreparedWorkload, profile: Any, replicas: int, l
 @dataclass
 class FleetConfig:
     replicas: int
-    profile: Any  # replica.emulated.profile.TimingProfile
+    profile: Any  # kvroute.replica.emulated.profile.TimingProfile
     kv_events: bool = True  # engines publish KV events and the index consumes them
     predicted_ttl_s: float = 30.0  # MemoryIndex's default: predictions await KV events that long
 
@@ -242,7 +242,7 @@ class FleetSim:
     """One policy against a fresh fleet of cold engines and a fresh index."""
 
     def __init__(self, prepared: PreparedWorkload, policy: Policy, cfg: FleetConfig):
-        from replica.emulated.engine import EmulatedEngine, EngineRequest
+        from kvroute.replica.emulated.engine import EmulatedEngine, EngineRequest
 
         self._EngineRequest = EngineRequest
         self.prepared = prepared

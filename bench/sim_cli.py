@@ -53,13 +53,13 @@ def parse_args(argv: list[str], prog: str = "kvroute sim", description: str | No
 
 
 def policy_names() -> list[str]:
-    from router.policy import POLICIES
+    from kvroute.router.policy import POLICIES
 
     return list(POLICIES)
 
 
 def resolve_policies(spec: str) -> list[str]:
-    from router.policy import ALL, POLICIES
+    from kvroute.router.policy import ALL, POLICIES
 
     if spec.strip() == "all":
         return list(ALL)
@@ -71,7 +71,7 @@ def resolve_policies(spec: str) -> list[str]:
 
 
 def resolve_profile(name: str | None, prog: str = "kvroute sim") -> Any:
-    from replica.emulated.profile import DEFAULT_PROFILE, PROFILES
+    from kvroute.replica.emulated.profile import DEFAULT_PROFILE, PROFILES
 
     if name is None:
         return DEFAULT_PROFILE
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from router.policy import make_policy
+    from kvroute.router.policy import make_policy
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     err = Console(stderr=True)

@@ -17,7 +17,7 @@ cache has no setting: the traffic draws its message texts from a fixed set (conv
 combine them into new prompts, so every other cache keeps seeing new keys).  cost_model's prefix
 heat (100k keys) has no setting either: it still fills, ~80 KB a minute at 10 req/s.
 ``--cache-bounds default`` runs with the router's defaults and unique texts, to watch the caches
-fill (``python -m bench.cache_costs`` says how far).
+fill (``python -m kvroute.bench.cache_costs`` says how far).
 
 The verdict (exit status 1 when it fails):
 * RSS flat: the median RSS over the last ``--window-s`` is at most ``--rss-growth`` (5%) above
@@ -43,9 +43,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.processes import REPO, spawn, stop_all
-from bench.report import pyplot
-from replica.assets import TINY_TOKENIZER
+from kvroute.bench.processes import REPO, spawn, stop_all
+from kvroute.bench.report import pyplot
+from kvroute.replica.assets import TINY_TOKENIZER
 
 TOKENIZER = TINY_TOKENIZER
 MODEL = "soak"
@@ -213,12 +213,12 @@ async def start_stack(
     procs: list[asyncio.subprocess.Process] = []
     urls = []
     for _ in range(replicas):
-        proc, url = await spawn([py, "-m", "router.cli", "replica", "--engine", "emulated", "--port", "0",
+        proc, url = await spawn([py, "-m", "kvroute.cli", "replica", "--engine", "emulated", "--port", "0",
                                  "--model", MODEL, "--time-scale", str(time_scale), "--log-level", "WARNING",
                                  *(SMALL_BOUNDS_REPLICA if small_bounds else [])])
         procs.append(proc)
         urls.append(url)
-    proc, url = await spawn([py, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0",
+    proc, url = await spawn([py, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0",
                              "--replicas", ",".join(urls), "--tokenizer", str(TOKENIZER),
                              "--policy", "cost_model", "--log-level", "warning",
                              *(SMALL_BOUNDS_ROUTER if small_bounds else [])])
@@ -253,7 +253,7 @@ async def run(args: argparse.Namespace) -> tuple[list[Sample], list[tuple[float,
 
 
 def plot(samples: list[Sample], path: Path) -> None:
-    plt = pyplot("python -m bench.soak")
+    plt = pyplot("python -m kvroute.bench.soak")
 
     t = [s.t_s / 60 for s in samples]
     fig, (ax_rss, ax_lat) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
@@ -271,7 +271,7 @@ def plot(samples: list[Sample], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvroute.bench.soak", description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=10.0, help="requests per second")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--replicas", type=int, default=2)
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--p99-slack-ms", type=float, default=20.0)
     p.add_argument("--out", type=Path, default=Path("soak"), help="writes OUT.json and OUT.png")
     args = p.parse_args(argv)
-    pyplot("python -m bench.soak")  # before a 10-minute run, not after it
+    pyplot("python -m kvroute.bench.soak")  # before a 10-minute run, not after it
     samples, results = asyncio.run(run(args))
     latencies = [(t, lat) for t, lat, ok in results if ok]
     verdict = analyze(samples, latencies, warmup_s=args.warmup_s, window_s=args.window_s,

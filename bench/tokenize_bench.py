@@ -1,6 +1,6 @@
 """Tokenization cost per request: the router's segment-cached path against plain ``tokenizers``.
 
-    python -m bench.tokenize_bench [--tokenizer DIR] [--size 16384] [--iterations 200] [--json]
+    python -m kvroute.bench.tokenize_bench [--tokenizer DIR] [--size 16384] [--iterations 200] [--json]
 
 Cases (each iteration uses a prompt whose new part was never seen before):
   * multi-turn: a ~16 KB chat whose earlier turns the router has seen, plus one short new turn;
@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from replica.assets import TINY_TOKENIZER
-from replica.tiny_model import training_corpus
-from router.tokens import Tokenizer
+from kvroute.replica.assets import TINY_TOKENIZER
+from kvroute.replica.tiny_model import training_corpus
+from kvroute.common.tokens import Tokenizer
 
 ASSET = TINY_TOKENIZER
 
@@ -156,7 +156,7 @@ def run(tokenizer_dir: Path, size: int, iterations: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tokenize_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvroute.bench.tokenize_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", type=Path, default=ASSET, help="tokenizer directory (default: the tiny test tokenizer)")
     parser.add_argument("--size", type=int, default=16_384, help="prompt size in characters")
     parser.add_argument("--iterations", type=int, default=200)

@@ -1,4 +1,4 @@
-"""aiohttp's client vs ``router.upstream.UpstreamPool``, side by side: ``python -m bench.upstream_bench``.
+"""aiohttp's client vs ``kvroute.router.upstream.UpstreamPool``, side by side: ``python -m kvroute.bench.upstream_bench``.
 
 An aiohttp server (uvloop, a child process, so this process's CPU time is the client's alone)
 answers a POST with (a) a small JSON body (Content-Length) and (b) a short SSE stream (6 events,
@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import uvloop
 
-from router.upstream import UpstreamPool
+from kvroute.router.upstream import UpstreamPool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,7 +160,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.upstream_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvroute.bench.upstream_bench", description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=3000, help="requests per client, case and round")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)

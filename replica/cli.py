@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from router.logs import configure_logging
+from kvroute.common.logs import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from replica.emulated.profile import PROFILES
+    from kvroute.replica.emulated.profile import PROFILES
 
     p = argparse.ArgumentParser(prog="kvroute replica", description="Run a replica speaking vLLM's OpenAI protocol.")
     p.add_argument("--engine", choices=("emulated", "vllm"), default="emulated",
@@ -136,7 +136,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 async def _run(config: object, args: argparse.Namespace) -> None:
-    from replica.emulated.server import EmulatedReplica
+    from kvroute.replica.emulated.server import EmulatedReplica
 
     replica = EmulatedReplica(config)  # type: ignore[arg-type]
     await replica.start()
@@ -148,7 +148,7 @@ async def _run(config: object, args: argparse.Namespace) -> None:
     registered = None
     try:
         if args.redis_url:
-            from router.registry import KeptRegistration
+            from kvroute.common.registry import KeptRegistration
 
             record = _emulated_record(replica, args)
             registered = KeptRegistration(args.redis_url, args.redis_key_prefix, record, args.registration_ttl)
@@ -172,8 +172,8 @@ async def _run(config: object, args: argparse.Namespace) -> None:
 def _emulated_record(replica: Any, args: argparse.Namespace) -> Any:
     """What an emulated replica registers, as the vLLM launcher does for a real one: where routers
     reach it and its KV events, its model, block size and capacity."""
-    from replica.vllm import advertised_host
-    from router.registry import ReplicaRecord
+    from kvroute.replica.vllm import advertised_host
+    from kvroute.common.registry import ReplicaRecord
 
     host = advertised_host(args.host, args.advertise_host)
     url_host = f"[{host}]" if ":" in host else host
@@ -192,7 +192,7 @@ def _emulated_record(replica: Any, args: argparse.Namespace) -> Any:
 def _advertised(requested: str | None, bound: str | None, host: str, *, always_bound: bool = False) -> str | None:
     """What a router dials for an endpoint the replica opened: a wildcard bind becomes
     ``tcp://HOST:PORT`` (the port as bound, for a requested port 0); a connect endpoint, nothing."""
-    from replica.vllm import public_endpoint
+    from kvroute.replica.vllm import public_endpoint
 
     if not requested or not bound:
         return None
@@ -216,9 +216,9 @@ def _installed_vllm(python: str) -> str | None:
 
 
 def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from replica.tiny_model import ensure_model
-    from replica.vllm import DEFAULT_ENTRY_MODULE, VllmReplicaConfig, split_extra_args, with_free_ports
-    from replica.vllm_supervisor import Registration, Timeouts, VllmSupervisor
+    from kvroute.replica.tiny_model import ensure_model
+    from kvroute.replica.vllm import DEFAULT_ENTRY_MODULE, VllmReplicaConfig, split_extra_args, with_free_ports
+    from kvroute.replica.vllm_supervisor import Registration, Timeouts, VllmSupervisor
 
     python = args.vllm_python or _default_vllm_python()
     if not Path(python).exists() and os.sep in python:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return _main_vllm(args, parser)
     _check(args, parser)
     configure_logging(args.log_level, args.log_format)
-    from replica.emulated.server import ReplicaConfig
+    from kvroute.replica.emulated.server import ReplicaConfig
 
     config = ReplicaConfig(
         model=args.model, host=args.host, port=args.port, tokenizer_dir=args.tokenizer, profile=args.profile,

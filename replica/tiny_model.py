@@ -14,7 +14,7 @@ Its output is noise; what the tests need from it is real prefill, a real paged K
 prefix caching and real KV events.  Writing the weights needs the ``safetensors`` package (it
 comes with vLLM, so the model is built with the vLLM environment's Python).
 
-    python -m replica.tiny_model --out DIR [--vocab-size N] [--model]
+    python -m kvroute.replica.tiny_model --out DIR [--vocab-size N] [--model]
 
 Two builds with the same arguments give byte-identical files (checked by the tests), so the
 committed copy under ``replica/assets/tiny-tokenizer/`` (shipped in the package) can always be regenerated and compared.
@@ -388,7 +388,7 @@ def ensure_model(out_dir: str | Path | None = None, python: str | None = None) -
     repo_root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
     try:
-        subprocess.run([python or sys.executable, "-m", "replica.tiny_model", "--out", str(tmp), "--model"],
+        subprocess.run([python or sys.executable, "-m", "kvroute.replica.tiny_model", "--out", str(tmp), "--model"],
                        check=True, env=env, stdout=subprocess.DEVNULL)
         try:
             tmp.rename(out)
@@ -402,7 +402,7 @@ def ensure_model(out_dir: str | Path | None = None, python: str | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m replica.tiny_model", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvroute.replica.tiny_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory to write the files into")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--seed", type=int, default=CORPUS_SEED, help="seed of the generated training corpus")

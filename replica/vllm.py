@@ -1,6 +1,6 @@
 """The command line and environment of a real vLLM replica, built from one config.
 
-Pure functions (no process is started here; ``replica.vllm_supervisor`` runs the result), so the
+Pure functions (no process is started here; ``kvroute.replica.vllm_supervisor`` runs the result), so the
 flags can be checked without vLLM installed.  What they turn on and why:
 
 - prefix caching with a fixed ``--block-size``: the router cuts prompts into blocks of the same

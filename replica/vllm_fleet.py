@@ -67,7 +67,7 @@ def launcher_command(
     """argv of `kvroute replica --engine vllm` on loopback (port 0: the launcher picks a free one
     and its ready line says which)."""
     cmd = [
-        sys.executable, "-m", "router.cli", "replica", "--engine", "vllm",
+        sys.executable, "-m", "kvroute.cli", "replica", "--engine", "vllm",
         "--model", model, "--model-path", str(model_dir), "--device", options.device,
         "--host", "127.0.0.1", "--port", str(port),
         "--block-size", str(options.block_size), "--kv-cache-bytes", options.kv_cache_bytes,
@@ -338,7 +338,7 @@ class VllmDemoFleet:
                 "--time-scale paces only arrivals and think times)")
 
     async def start(self) -> None:
-        from replica.tiny_model import ensure_model
+        from kvroute.replica.tiny_model import ensure_model
 
         python = vllm_python()
         if needs_install(python):

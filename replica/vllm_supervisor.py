@@ -26,8 +26,8 @@ from typing import IO
 
 import aiohttp
 
-from router.registry import KeptRegistration, ReplicaRecord
-from router.scrape import ScrapeResult, parse_vllm_metrics
+from kvroute.common.registry import KeptRegistration, ReplicaRecord
+from kvroute.common.scrape import ScrapeResult, parse_vllm_metrics
 
 from .vllm import VllmReplicaConfig, build_command, build_env
 

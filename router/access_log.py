@@ -4,7 +4,7 @@ A middleware times the request and reads the final status (a stream's handler re
 stream is relayed, so the line follows the whole answer); the handler leaves what it learned on
 the request's :class:`Trail` (the model, the final route decision after any failover, the
 proxy's outcome with the usage it already parsed).  The line is built one loop turn later, after
-the answer's bytes are handed to the socket, and written by the logging thread (router/logs.py).
+the answer's bytes are handed to the socket, and written by the logging thread (common/logs.py).
 
 Fields: request_id, method, path, model, replica, status, prompt_tokens (the engine's count, else
 the router's), cached_tokens (``usage.prompt_tokens_details.cached_tokens``, as the hit-rate

@@ -2,7 +2,7 @@
 
 Endpoints
     POST /v1/completions, /v1/chat/completions   routed (cache-aware), streamed or not
-    POST /v1/responses                           routed as a chat (router/responses.py)
+    POST /v1/responses                           routed as a chat (common/responses.py)
     POST /v1/embeddings, /tokenize, /detokenize  passed to a replica serving the body's model
     GET  /v1/models, /v1/models/{id}             the union of the fleet's models
     GET  /health                                 the process is alive (200; with health_requires_replica,
@@ -32,11 +32,16 @@ from typing import Any
 
 from aiohttp import web
 
+from kvroute.common.errors import ApiError, error_middleware, error_response
+from kvroute.common.requests import Kind, decode_json_object, parse_request
+from kvroute.common.responses import parse_responses
+from kvroute.common.tokens import ClientTemplates, TokenizerRegistry
+from kvroute.common.tokens.memory import keep_large_buffers_mapped
+
 from .access_log import AccessLog, trail_of
 from .body import BodyReader
 from .config import RouterSettings
 from .cutoff import RequestCutoff
-from .errors import ApiError, error_middleware, error_response
 from .fleet import Fleet, Replica, ReplicaStatus
 from .index.base import PrefixIndex
 from .index.client import IndexClient
@@ -47,15 +52,11 @@ from .load import LoadTracker
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import make_policy
 from .proxy import Outcome, Proxy, Timeouts, make_upstream_pool, make_upstream_session
-from .requests import Kind, decode_json_object, parse_request
 from .response_memory import ResponseMemory
-from .responses import parse_responses
 from .reconcile import EngineCacheCounters
 from .reuse import ReuseTracker
 from .routing import Router
 from .server import ClientAppRunner, ClientLimits, announce_close, count_timeouts
-from .tokens import ClientTemplates, TokenizerRegistry
-from .tokens.memory import keep_large_buffers_mapped
 from .worker_metrics import WorkerMetrics
 from .workers import WorkerRole
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from .errors import ApiError
+from kvroute.common.errors import ApiError
+
 from .server import close_after_answer
 
 

@@ -8,7 +8,7 @@ for turns the router hashed on the previous request.  Here the token bytes are c
 by the namespace seed and the block size).  A span key therefore names the whole prefix up to that
 span's end, and the memo maps it to the span's block hashes.  A new prompt walks its span keys
 while they hit and reuses those hashes; from the first miss on it hashes block by block, as
-``router.blocks`` does, and remembers its new full spans.  The result is exactly
+``kvroute.common.blocks`` does, and remembers its new full spans.  The result is exactly
 ``block_hashes(ids, block_size, seed)``; the memo holds ``max_spans`` spans (LRU), about 2.5 KB each
 at 64 blocks a span.
 """
@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import xxhash
 
-from .blocks import chain_from_bytes
+from kvroute.common.blocks import chain_from_bytes
 
 _xxh3 = xxhash.xxh3_64_intdigest
 

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from .errors import error_response, sse_error_event
+from kvroute.common.errors import error_response, sse_error_event
 
 log = logging.getLogger("kvroute.router")
 

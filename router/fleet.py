@@ -1,6 +1,6 @@
 """The router's view of its replicas: where they come from, whether they are up, how loaded.
 
-Discovery merges the listings of its sources (``router.discovery``: a static list, Redis
+Discovery merges the listings of its sources (``kvroute.router.discovery``: a static list, Redis
 registrations, a DNS name, Kubernetes pods by label selector), any of which may be combined.
 
 Every health interval each replica's ``/health`` is probed (and at once after a request to it
@@ -26,6 +26,9 @@ import aiohttp
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
+from kvroute.common.registry import ReplicaRecord
+from kvroute.common.scrape import ScrapeResult
+
 from .aio import cancel_and_wait
 from .breaker import BreakerState, CircuitBreaker
 from .index.base import PrefixIndex, ReplicaSpec
@@ -43,10 +46,8 @@ from .discovery import (
     StaticSource,
     entry_url,
 )
-from .registry import ReplicaRecord
 from .probes import ReplicaProbes
 from .fleet_settings import FleetSettings
-from .scrape import ScrapeResult
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class ReplicaStatus:
     kv_events: KVEventsState
     health_failures: int
     scrape_age_s: float | None
-    # this router's own load there (router.load owns it; the app fills it in)
+    # this router's own load there (kvroute.router.load owns it; the app fills it in)
     in_flight: int = 0
     queued_prefill_tokens: int = 0
 

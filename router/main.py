@@ -17,9 +17,10 @@ import sys
 
 from pydantic import ValidationError
 
+from kvroute.common.logs import configure_logging
+
 from .app import RouterApp
 from .config import RouterSettings, load_settings
-from .logs import configure_logging
 from .workers import WorkerRole, supervise
 
 log = logging.getLogger("kvroute.router")

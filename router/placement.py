@@ -21,7 +21,7 @@ Chains = Sequence[Sequence[int]] | None  # every chain of a batch of prompts; No
 
 class Predictions(Protocol):
     """The two index calls routing makes: a lookup it waits for, a prediction it does not
-    (``router.index.IndexClient``, over Redis or, in the simulator too, the memory index)."""
+    (``kvroute.router.index.IndexClient``, over Redis or, in the simulator too, the memory index)."""
 
     def lookup(self, chain: Sequence[int]) -> Awaitable[dict[str, int]]: ...
 

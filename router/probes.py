@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 import aiohttp
 
-from .scrape import ScrapeResult, parse_vllm_metrics
+from kvroute.common.scrape import ScrapeResult, parse_vllm_metrics
 
-log = logging.getLogger("router.fleet")
+log = logging.getLogger("kvroute.router.fleet")
 
 Health = Literal["ok", "failed", "refused"]
 

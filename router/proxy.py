@@ -38,8 +38,9 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from kvroute.common.errors import ApiError, sse_error_event
+
 from .aio import set_nodelay
-from .errors import ApiError, sse_error_event
 from .replica_errors import error_payload, normalize_error_body
 from .upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse
 

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
+from kvroute.common.scrape import ScrapeResult
+
 from .fleet import Fleet, FleetEvent, Replica
-from .scrape import ScrapeResult
 from .worker_metrics import remove_series
 
 QUERIES = "vllm:prefix_cache_queries"  # as ScrapeResult.counters names them (no _total)

@@ -1,4 +1,4 @@
-"""A replica's error answer in OpenAI's shape, as the router's own errors are (router/errors.py).
+"""A replica's error answer in OpenAI's shape, as the router's own errors are (common/errors.py).
 
 Replicas answer errors in many shapes: OpenAI's ``{"error": {message, type, param, code}}``
 (vLLM today, passed through untouched), vLLM ≤0.8's fields at the top level
@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from .errors import error_type
+from kvroute.common.errors import error_type
 
 MAX_MESSAGE_CHARS = 2000
 _decode = msgspec.json.Decoder()

@@ -1,4 +1,4 @@
-"""The router's memory of the Responses API conversations it relayed (router/responses.py).
+"""The router's memory of the Responses API conversations it relayed (common/responses.py).
 
 A stored response lives on the replica that produced it (vLLM keeps it in that process's memory),
 so ``previous_response_id`` pins the request to that replica while it is eligible, and the
@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from .responses import ResponsesParsed, chat_messages, input_messages, output_texts
+from kvroute.common.responses import ResponsesParsed, chat_messages, input_messages, output_texts
 
 
 @dataclass(slots=True)

@@ -35,10 +35,13 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .blocks import namespace_seed, token_bytes
+from kvroute.common.blocks import namespace_seed, token_bytes
+from kvroute.common.errors import ApiError
+from kvroute.common.requests import ParsedRequest, prompt_batch
+from kvroute.common.tokens import ClientTemplateRefused, PromptTooLong, TokenizerError, TokenizerRegistry
+
 from .chain_memo import ChainMemo
 from .config import RouterSettings
-from .errors import ApiError
 from .fleet import Fleet, Replica, card_parent
 from .index.client import IndexClient
 from .load import LoadTracker
@@ -46,9 +49,7 @@ from .metrics import RouterMetrics
 from .placement import Placement, snapshot
 from .policy.base import Policy, ReplicaState, RouteRequest
 from .proxy import Outcome
-from .requests import ParsedRequest, prompt_batch
 from .reuse import ReuseTracker
-from .tokens import ClientTemplateRefused, PromptTooLong, TokenizerError, TokenizerRegistry
 
 log = logging.getLogger("kvroute.router")
 

@@ -36,7 +36,7 @@ from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from aiohttp.web_server import Server
 from prometheus_client import CollectorRegistry, Counter
 
-from .errors import ApiError, error_body, error_response
+from kvroute.common.errors import ApiError, error_body, error_response
 
 log = logging.getLogger("kvroute.router")
 

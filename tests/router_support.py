@@ -16,9 +16,9 @@ import openai
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica.emulated.server import EmulatedReplica, ReplicaConfig
-from router.app import RouterApp
-from router.config import RouterSettings
+from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
+from kvroute.router.app import RouterApp
+from kvroute.router.config import RouterSettings
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TOKENIZER = str(REPO / "tests" / "assets" / "tiny-tokenizer")
@@ -80,7 +80,7 @@ def openai_client(app: RouterApp, api_key: str = "unused") -> openai.AsyncOpenAI
 
 _CHILD = """
 import asyncio, sys
-from replica.emulated.server import EmulatedReplica, ReplicaConfig
+from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 
 async def main():
     rep = EmulatedReplica(ReplicaConfig(model=sys.argv[1], time_scale=float(sys.argv[2]), port=int(sys.argv[3])))
@@ -254,7 +254,7 @@ class RouterProcess:
         cls, replica_urls: list[str], *args: str, tokenizer: str = TINY_TOKENIZER, env: dict[str, str] | None = None
     ) -> RouterProcess:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0",
+            sys.executable, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0",
             "--replicas", ",".join(replica_urls), "--tokenizer", tokenizer, "--log-level", "warning", *args,
             stdout=asyncio.subprocess.PIPE, cwd=str(REPO), env=env,
         )  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.aio import cancel_and_wait
+from kvroute.router.aio import cancel_and_wait
 
 
 async def test_a_task_that_loses_a_cancellation_is_cancelled_again_until_it_ends() -> None:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.blocks import block_hashes, extend_chain, hash_block, namespace_seed
+from kvroute.common.blocks import block_hashes, extend_chain, hash_block, namespace_seed
 
 tokens = st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=0, max_size=300)
 block_sizes = st.sampled_from([1, 4, 16, 32])

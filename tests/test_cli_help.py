@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from router.config import load_settings
-from router.policy import POLICIES
+from kvroute.router.config import load_settings
+from kvroute.router.policy import POLICIES
 
 REPO = Path(__file__).resolve().parents[1]
 # A value named after its Python type, as pydantic-settings prints it: `{str,None}`, `dict[str,str]`,
@@ -24,7 +24,7 @@ RAW_TYPE = re.compile(r"\b(str|int|float|bool|None|NoneType|null|list|dict|tuple
 
 
 def kvroute(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=60,
+    done = subprocess.run([sys.executable, "-m", "kvroute.cli", *args], capture_output=True, text=True, timeout=60,
                           cwd=REPO)
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -115,7 +115,7 @@ def test_named_values_still_parse():
 
 
 def test_unknown_policy_is_a_settings_error_naming_the_choices():
-    done = subprocess.run([sys.executable, "-m", "router.cli", "router", "--policy", "bogus"],
+    done = subprocess.run([sys.executable, "-m", "kvroute.cli", "router", "--policy", "bogus"],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 2
     assert "unknown policy 'bogus'" in done.stderr and "cost_model" in done.stderr

@@ -20,11 +20,11 @@ import numpy as np
 import openai
 import pytest
 
-from bench import demo, sim_cli
-from bench.demo_chat import ChatConfig, build_workload
-from bench.demo_fleet import fleet_factory, make_fleet, resets_in_place
-from bench.limit import LIMIT_KEYS
-from bench.sim import METRIC_KEYS
+from kvroute.bench import demo, sim_cli
+from kvroute.bench.demo_chat import ChatConfig, build_workload
+from kvroute.bench.demo_fleet import fleet_factory, make_fleet, resets_in_place
+from kvroute.bench.limit import LIMIT_KEYS
+from kvroute.bench.sim import METRIC_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--replicas", "3", "--sessions", "6", "--session-rate", "20", "--time-scale", "0.05", "--seed", "1"]
@@ -113,7 +113,7 @@ def child_processes() -> set[int]:
 def test_engine_vllm_builds_a_fleet_of_real_replicas_and_building_starts_nothing():
     before = child_processes()
     fleet = make_fleet("vllm", 2, model="demo", time_scale=0.5, profile="default")
-    assert fleet_factory("vllm") is importlib.import_module("replica.vllm").demo_fleet
+    assert fleet_factory("vllm") is importlib.import_module("kvroute.replica.vllm").demo_fleet
     assert (fleet.model, fleet.urls) == ("demo", [])
     assert "2 vLLM replicas" in fleet.describe() and "no timing profile" in fleet.describe()
     assert resets_in_place(fleet)  # one start for both passes, caches emptied before each
@@ -138,7 +138,7 @@ def test_vllm_workload_fits_the_tiny_models_context():
     answer a longer one with HTTP 400."""
     from tokenizers import Tokenizer
 
-    from replica.tiny_model import ModelShape
+    from kvroute.replica.tiny_model import ModelShape
 
     tok = Tokenizer.from_file(str(REPO / "tests" / "assets" / "tiny-tokenizer" / "tokenizer.json"))
     args = demo.parse_args(["--engine", "vllm"])
@@ -163,7 +163,7 @@ def test_bad_options_are_rejected():
 
 async def _start_demo(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.cli", "demo", *args,
+        sys.executable, "-m", "kvroute.cli", "demo", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=str(REPO),
     )
 
@@ -308,8 +308,8 @@ def test_conversation_workload_is_heavy_tailed_and_fits_the_replicas_context(eng
     (replies counted at twice their max_tokens) within the replicas' context."""
     from tokenizers import Tokenizer
 
-    from bench.demo_chat import build_conversation_workload
-    from replica.tiny_model import ModelShape
+    from kvroute.bench.demo_chat import build_conversation_workload
+    from kvroute.replica.tiny_model import ModelShape
 
     args = demo.parse_args(["--workload", "conversation", "--engine", engine])
     cfg = args.chat

@@ -101,7 +101,7 @@ def test_compose_routers_share_redis_and_discover_replicas_by_their_alias(compos
 
 def test_compose_router_environment_is_valid_router_settings(compose, monkeypatch):
     """What the compose file sets is what `kvroute router` accepts (router/config.py)."""
-    from router.config import load_settings
+    from kvroute.router.config import load_settings
 
     env = compose["emulated"]["services"]["router-1"]["environment"]
     for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
@@ -173,7 +173,7 @@ def launched_args(service: dict[str, Any]) -> list[str]:
 
 
 def test_compose_replica_commands_are_valid_launcher_arguments(compose):
-    from replica.cli import build_parser
+    from kvroute.replica.cli import build_parser
 
     emulated = compose["emulated"]["services"]["replica-emulated"]
     args = build_parser().parse_args(launched_args(emulated))
@@ -239,7 +239,7 @@ def test_hadolint_passes_the_dockerfiles():
 def test_dockerfile_sources_and_commands_exist(name):
     """COPY sources exist in the build context (the repository root) and the entry point names
     a real `kvroute` subcommand."""
-    from router.cli import COMMANDS
+    from kvroute.cli import COMMANDS
 
     lines = (DEPLOY / name).read_text().splitlines()
     copies = [line.split()[1:-1] for line in lines if line.startswith("COPY ") and "--from=" not in line]
@@ -254,9 +254,9 @@ def test_dockerfile_sources_and_commands_exist(name):
 
 
 def test_the_router_image_builds_its_tokenizer_with_a_real_module(tmp_path):
-    """Dockerfile.router runs `python -m replica.tiny_model --out DIR`: that command works."""
-    assert "python -m replica.tiny_model --out /opt/kvroute/tokenizers/tiny" in (DEPLOY / "Dockerfile.router").read_text()
-    from replica.tiny_model import main
+    """Dockerfile.router runs `python -m kvroute.replica.tiny_model --out DIR`: that command works."""
+    assert "python -m kvroute.replica.tiny_model --out /opt/kvroute/tokenizers/tiny" in (DEPLOY / "Dockerfile.router").read_text()
+    from kvroute.replica.tiny_model import main
 
     assert not main(["--out", str(tmp_path)])
     assert (tmp_path / "tokenizer.json").exists() and (tmp_path / "tokenizer_config.json").exists()
@@ -321,7 +321,7 @@ def test_chart_renders_router_with_probes_pdb_and_service():
 
 
 def test_chart_router_environment_is_valid_router_settings(monkeypatch):
-    from router.config import load_settings
+    from kvroute.router.config import load_settings
 
     for values in [(), ("replica.engine=emulated",), ("redis.enabled=false",)]:
         kinds = by_kind(helm_template(*values))
@@ -339,7 +339,7 @@ def test_chart_router_environment_is_valid_router_settings(monkeypatch):
 
 
 def test_chart_kubernetes_discovery_renders_rbac_and_the_router_settings(monkeypatch):
-    from router.config import load_settings
+    from kvroute.router.config import load_settings
 
     plain = by_kind(helm_template())
     assert not {"ServiceAccount", "Role", "RoleBinding"} & set(plain)  # only with a selector
@@ -373,7 +373,7 @@ def test_chart_kubernetes_discovery_renders_rbac_and_the_router_settings(monkeyp
 
 
 def test_chart_replicas_request_gpus_and_are_discovered_through_a_headless_service():
-    from replica.cli import build_parser
+    from kvroute.replica.cli import build_parser
 
     kinds = by_kind(helm_template())
     (sts,) = kinds["StatefulSet"]
@@ -585,7 +585,7 @@ def value_paths(values: dict, prefix: str = "", free: tuple[str, ...] = ()) -> s
 
 
 def test_the_schema_covers_every_value_and_lists_the_router_policies():
-    from router.policy import POLICIES
+    from kvroute.router.policy import POLICIES
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
@@ -648,7 +648,7 @@ def literal_env(container: dict) -> dict[str, str]:
 
 
 def load_router_env(env: dict[str, str], monkeypatch):
-    from router.config import load_settings
+    from kvroute.router.config import load_settings
 
     for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
         monkeypatch.delenv(key)
@@ -665,7 +665,7 @@ def test_byo_service_environment_is_valid_router_settings(monkeypatch):
 
 
 def test_byo_selector_environment_is_valid_router_settings(monkeypatch):
-    from router.fleet import FleetSettings
+    from kvroute.router.fleet import FleetSettings
 
     kinds = helm_template_values(CI_VALUES["byo-selector"])
     env = literal_env(router_of(kinds)["spec"]["template"]["spec"]["containers"][0])
@@ -805,7 +805,7 @@ def test_chart_redis_has_maxmemory_below_its_limit_and_evicts(sets):
 
 
 def test_vllm_dev_mode_is_off_unless_asked():
-    from replica.cli import build_parser
+    from kvroute.replica.cli import build_parser
 
     for sets, dev_mode in [((), False), (("replica.vllm.devMode=true",), True)]:
         c = by_kind(helm_template(*sets))["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]

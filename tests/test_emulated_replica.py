@@ -23,9 +23,9 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica.cli import main as replica_main
-from replica.emulated.server import EmulatedReplica, ReplicaConfig
-from router.tokens import Tokenizer
+from kvroute.replica.cli import main as replica_main
+from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
+from kvroute.common.tokens import Tokenizer
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -605,7 +605,7 @@ def test_cli_bad_arguments_exit_2(capsys):
 async def test_cli_serves_until_sigterm(http):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from replica.cli import main; sys.exit(main(sys.argv[1:]))",
+        [sys.executable, "-c", "import sys; from kvroute.replica.cli import main; sys.exit(main(sys.argv[1:]))",
          "--engine", "emulated", "--model", MODEL, "--port", str(port), "--profile", "cpu-tiny",
          "--tokenizer", str(TINY_TOKENIZER), "--events-endpoint", f"tcp://*:{free_port()}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -626,13 +626,13 @@ async def test_cli_serves_until_sigterm(http):
 async def test_cli_registers_in_redis_and_routers_follow_its_events(http, redis_url, redis_prefix):
     import redis.asyncio as aioredis
 
-    from router.app import RouterApp
-    from router.config import RouterSettings
-    from router.registry import list_replicas
+    from kvroute.router.app import RouterApp
+    from kvroute.router.config import RouterSettings
+    from kvroute.common.registry import list_replicas
 
     port, events_port, replay_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from replica.cli import main; sys.exit(main(sys.argv[1:]))",
+        [sys.executable, "-c", "import sys; from kvroute.replica.cli import main; sys.exit(main(sys.argv[1:]))",
          "--engine", "emulated", "--model", MODEL, "--host", "0.0.0.0", "--port", str(port),
          "--advertise-host", "127.0.0.1", "--profile", "cpu-tiny", "--tokenizer", str(TINY_TOKENIZER),
          "--events-endpoint", f"tcp://*:{events_port}", "--replay-endpoint", f"tcp://*:{replay_port}",

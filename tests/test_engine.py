@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replica.emulated import (
+from kvroute.replica.emulated import (
     CPU_TINY,
     DEFAULT_PROFILE,
     PROFILES,
@@ -21,7 +21,7 @@ from replica.emulated import (
     EngineRequest,
     TimingProfile,
 )
-from router.blocks import block_hashes
+from kvroute.common.blocks import block_hashes
 
 BS = 16
 SEED = 12345

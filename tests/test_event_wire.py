@@ -3,9 +3,9 @@ batch per flush, a salted root's cache_salt in its extra_keys (docs/design.md §
 
 from __future__ import annotations
 
-from replica.emulated import kv_events
-from replica.emulated.event_wire import EventWire
-from replica.emulated.publisher import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.replica.emulated import kv_events
+from kvroute.replica.emulated.event_wire import EventWire
+from kvroute.replica.emulated.publisher import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 class FakePublisher:

@@ -21,12 +21,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from replica.emulated.publisher import KVEventPublisher
-from replica.emulated.server import EmulatedReplica, ReplicaConfig
-from router.app import RouterApp
-from router.config import load_settings
-from router.discovery import EventEndpointResolver, ReplicaEntry
-from router.registry import KeptRegistration, ReplicaRecord
+from kvroute.replica.emulated.publisher import KVEventPublisher
+from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
+from kvroute.router.app import RouterApp
+from kvroute.router.config import load_settings
+from kvroute.router.discovery import EventEndpointResolver, ReplicaEntry
+from kvroute.common.registry import KeptRegistration, ReplicaRecord
 from tests.conftest import free_port
 from tests.router_support import MODEL, TINY_TOKENIZER, running_router, scrape, started, total
 

@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.discovery import address_url, normalize_url, select_addresses
-from router.fleet import Fleet, FleetSettings
-from router.index.memory import MemoryIndex
-from router.registry import ReplicaRecord, keep_registered, register
-from router.scrape import parse_vllm_metrics
+from kvroute.router.discovery import address_url, normalize_url, select_addresses
+from kvroute.router.fleet import Fleet, FleetSettings
+from kvroute.router.index.memory import MemoryIndex
+from kvroute.common.registry import ReplicaRecord, keep_registered, register
+from kvroute.common.scrape import parse_vllm_metrics
 from tests.conftest import free_port
 
 FAST = dict(health_interval_s=0.05, health_timeout_s=0.5, metrics_interval_s=0.05, metrics_timeout_s=0.5)
@@ -387,7 +387,7 @@ async def test_status_exposes_plain_data(replicas, fleets):
     fleet = await fleets(replicas=[a.url])
     [s] = fleet.status()
     assert (s.name, s.healthy, s.draining, s.breaker_state) == (a.url, True, False, "closed")
-    # the router's own load is not the fleet's to know (router.load owns it; the app joins them)
+    # the router's own load is not the fleet's to know (kvroute.router.load owns it; the app joins them)
     assert (s.in_flight, s.queued_prefill_tokens, s.running) == (0, 0, 2)
     assert s.models == ["m1"] and s.capacity_blocks == 1000 and s.scrape_age_s is not None
 
@@ -646,7 +646,7 @@ def test_scrape_rejects_garbage():
 async def test_fleet_follows_an_emulated_replica_registered_in_redis(fleets, redis_url, redis_prefix):
     import redis.asyncio as aioredis
 
-    from replica.emulated.server import EmulatedReplica, ReplicaConfig
+    from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 
     emu = EmulatedReplica(
         ReplicaConfig(model="tiny-emulated", profile="cpu-tiny", block_size=32, num_gpu_blocks=300,

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
-from router.app import RouterApp
-from router.index import IndexClient, RedisIndex, ReplicaSpec
+from kvroute.router.app import RouterApp
+from kvroute.router.index import IndexClient, RedisIndex, ReplicaSpec
 from tests.router_support import (
     MODEL,
     RedisProcess,

@@ -1,7 +1,7 @@
 """The KV-event subscriber on real parts: ZMQ on loopback, emulated replicas, MemoryIndex and a
 real Redis index.
 
-Expected hashes are always computed independently, with ``router.blocks`` on the prompt's token
+Expected hashes are always computed independently, with ``kvroute.common.blocks`` on the prompt's token
 ids (tokenized by the tiny tokenizer the replica uses); events published by hand carry arbitrary
 engine hashes, so a subscriber that passed engine hashes through would fail.  Waits are bounded
 waits for a state (``wait_applied`` and friends), never timed assertions.
@@ -22,16 +22,16 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from replica.emulated.publisher import BlockRemoved, BlockStored, KVEventPublisher
-from replica.emulated.server import EmulatedReplica, ReplicaConfig
-from router.blocks import block_hashes, namespace_seed
-from router.fleet import Fleet, FleetSettings
-from router.index import IndexClient, MemoryIndex, RedisIndex, ReplicaSpec
-from router.index.base import PrefixIndex
-from router.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber, WireError
-from router.kvevents import wire
-from router.registry import ReplicaRecord, deregister, register
-from router.tokens import Tokenizer
+from kvroute.replica.emulated.publisher import BlockRemoved, BlockStored, KVEventPublisher
+from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
+from kvroute.common.blocks import block_hashes, namespace_seed
+from kvroute.router.fleet import Fleet, FleetSettings
+from kvroute.router.index import IndexClient, MemoryIndex, RedisIndex, ReplicaSpec
+from kvroute.router.index.base import PrefixIndex
+from kvroute.router.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber, WireError
+from kvroute.router.kvevents import wire
+from kvroute.common.registry import ReplicaRecord, deregister, register
+from kvroute.common.tokens import Tokenizer
 from tests.conftest import free_port
 from tests.router_support import own_redis
 

@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from replica.emulated.publisher import (
+from kvroute.replica.emulated.publisher import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -1,6 +1,6 @@
 """The KV-event batch numbering on its own (router/kvevents/sequence.py): no sockets needed."""
 
-from router.kvevents.sequence import BatchSequence
+from kvroute.router.kvevents.sequence import BatchSequence
 
 
 def test_a_fresh_sequence_takes_whatever_comes_then_expects_the_next():
@@ -50,16 +50,16 @@ def test_only_the_last_window_of_digests_is_kept():
 async def _writer_with(index):
     from prometheus_client import CollectorRegistry
 
-    from router.index.client import as_client
-    from router.kvevents.index_writer import IndexWriter
-    from router.kvevents.metrics import KVEventMetrics
+    from kvroute.router.index.client import as_client
+    from kvroute.router.kvevents.index_writer import IndexWriter
+    from kvroute.router.kvevents.metrics import KVEventMetrics
 
     return IndexWriter("r", as_client(index), KVEventMetrics(CollectorRegistry()))
 
 
 async def test_writes_are_coalesced_in_order_and_a_clear_makes_earlier_ones_moot():
-    from router.index.base import ReplicaSpec
-    from router.index.memory import MemoryIndex
+    from kvroute.router.index.base import ReplicaSpec
+    from kvroute.router.index.memory import MemoryIndex
 
     index = MemoryIndex()
     await index.add_replica(ReplicaSpec("r", 1000, publishes_events=True))

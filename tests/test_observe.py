@@ -184,7 +184,7 @@ class RouterProcess:
         self.log_path = log_path
         self.log = log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0", *args],
+            [sys.executable, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=self.log, cwd=str(REPO), text=True, env={**os.environ, **(env or {})},
         )
         assert self.proc.stdout is not None
@@ -387,7 +387,7 @@ class Load:
 async def register_replicas(prefix: str, records: list[Any]) -> None:
     import redis.asyncio as aioredis
 
-    from router.registry import register
+    from kvroute.common.registry import register
 
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
@@ -456,7 +456,7 @@ class Fleet:
 
 
 async def _start_replicas(groups: dict[str, int], with_events: set[str]) -> tuple[list[Any], dict[str, list[str]]]:
-    from replica.emulated.server import EmulatedReplica, ReplicaConfig
+    from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 
     started: list[Any] = []
     urls: dict[str, list[str]] = {}
@@ -516,7 +516,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         # Router A learns the `tiny` and `quiet` replicas and their KV-event endpoints from Redis,
         # as a launcher registers them; the events of `broken` come from the lossy publisher, those
         # of `lagging` (a healthy replica no request is sent to) from the late one.
-        from router.registry import ReplicaRecord
+        from kvroute.common.registry import ReplicaRecord
 
         records = [ReplicaRecord(url=rep.url, model=rep.model, events_endpoint=rep.events_endpoint,
                                  replay_endpoint=rep.replay_endpoint, block_size=rep.block_size, engine="emulated")
@@ -787,7 +787,7 @@ def test_index_rebuild_alert_fires_when_redis_loses_the_index(fleet: Fleet):
     registers its replicas again, counts the rebuild, and the alert fires for A alone."""
     import redis
 
-    from router.blocks import HASH_SCHEME
+    from kvroute.common.blocks import HASH_SCHEME
 
     client = redis.Redis.from_url(REDIS_URL)
     try:

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.policy import ALL, BASELINES, POLICIES, Policy, ReplicaState, RouteRequest, make_policy
-from router.policy.chwbl import ChwblPolicy, load_ok
-from router.policy.cost_model import CostModelPolicy, SessionBook
-from router.policy.prefix_heat import PrefixHeat
-from router.policy.sglang_cache_aware import ApproxRadixTree, SglangCacheAwarePolicy, shared_prefix_len
+from kvroute.router.policy import ALL, BASELINES, POLICIES, Policy, ReplicaState, RouteRequest, make_policy
+from kvroute.router.policy.chwbl import ChwblPolicy, load_ok
+from kvroute.router.policy.cost_model import CostModelPolicy, SessionBook
+from kvroute.router.policy.prefix_heat import PrefixHeat
+from kvroute.router.policy.sglang_cache_aware import ApproxRadixTree, SglangCacheAwarePolicy, shared_prefix_len
 
 BS = 16
 

@@ -8,10 +8,10 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from router.breaker import CircuitBreaker
-from router.fleet import Replica
-from router.reconcile import HITS, QUERIES, EngineCacheCounters
-from router.scrape import ScrapeResult
+from kvroute.router.breaker import CircuitBreaker
+from kvroute.router.fleet import Replica
+from kvroute.router.reconcile import HITS, QUERIES, EngineCacheCounters
+from kvroute.common.scrape import ScrapeResult
 from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, scrape, total
 
 NAME = "http://10.0.0.1:8000"

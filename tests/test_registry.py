@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from router.registry import (
+from kvroute.common.registry import (
     ReplicaRecord,
     deregister,
     heartbeat,

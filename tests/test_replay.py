@@ -12,10 +12,10 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from bench.demo import parse_metrics, total
-from bench.demo_fleet import EmulatedFleet, demo_stack
-from bench.limit import LIMIT_KEYS
-from bench.replay import prompt_text
+from kvroute.bench.demo import parse_metrics, total
+from kvroute.bench.demo_fleet import EmulatedFleet, demo_stack
+from kvroute.bench.limit import LIMIT_KEYS
+from kvroute.bench.replay import prompt_text
 
 REPO = Path(__file__).resolve().parents[1]
 TIME_SCALE = 0.05  # replicas run 20x faster than the H100 profile's real time
@@ -74,7 +74,7 @@ async def test_replay_reports_what_the_replicas_and_the_router_saw(tmp_path):
     fleet = EmulatedFleet(2, model="demo", time_scale=TIME_SCALE)
     async with demo_stack("cost_model", fleet) as stack:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.cli", "bench", "replay", "--trace", str(trace), "--url", stack.url,
+            sys.executable, "-m", "kvroute.cli", "bench", "replay", "--trace", str(trace), "--url", stack.url,
             "--speedup", "10", "--max-tokens", str(MAX_TOKENS), "--session-header", "X-Session-ID",
             "--profile", "default", "--replica-time-scale", str(TIME_SCALE), "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=str(REPO),

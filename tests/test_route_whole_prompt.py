@@ -18,13 +18,13 @@ import time
 
 import numpy as np
 
-from bench.chat_text import chat_text
-from router.blocks import block_hashes, namespace_seed
-from router.policy.base import RouteRequest
-from router.proxy import Outcome, Usage
-from router.requests import parse_request
+from kvroute.bench.chat_text import chat_text
+from kvroute.common.blocks import block_hashes, namespace_seed
+from kvroute.router.policy.base import RouteRequest
+from kvroute.router.proxy import Outcome, Usage
+from kvroute.common.requests import parse_request
 from tests.router_support import MODEL, TINY_TOKENIZER, emulated_replicas, running_router
-from router.tokens import Tokenizer
+from kvroute.common.tokens import Tokenizer
 
 SYSTEM_CHARS = (1_500, 5_000, 12_000)
 MAX_CHARS = 30_000  # a history stays within the replicas' context (32k tokens; ~1.2 characters a token here)

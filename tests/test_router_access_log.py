@@ -17,7 +17,7 @@ SYSTEM = "You are a meticulous assistant for the kvroute access log test. " * 12
 
 async def _start_router(replica_urls: list[str], *args: str) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0",
+        sys.executable, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0",
         "--replicas", ",".join(replica_urls), "--tokenizer", TINY_TOKENIZER, *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=str(REPO),
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The chain memo gives exactly router.blocks' chain, reusing the spans of prompts it has seen."""
+"""The chain memo gives exactly kvroute.common.blocks' chain, reusing the spans of prompts it has seen."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.blocks import block_hashes, namespace_seed, token_bytes
-from router.chain_memo import ChainMemo
+from kvroute.common.blocks import block_hashes, namespace_seed, token_bytes
+from kvroute.router.chain_memo import ChainMemo
 
 
 @settings(max_examples=60, deadline=None)

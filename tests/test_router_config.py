@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from router.main import main
-from router.config import load_settings
+from kvroute.router.main import main
+from kvroute.router.config import load_settings
 
 
 @pytest.fixture(autouse=True)

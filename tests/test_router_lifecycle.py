@@ -10,7 +10,7 @@ import sys
 import aiohttp
 import pytest
 
-from router.app import RouterApp
+from kvroute.router.app import RouterApp
 from tests.conftest import free_port
 from tests.router_support import MODEL, REPO, TINY_TOKENIZER, emulated_replicas, router_settings, running_router
 
@@ -37,7 +37,7 @@ async def test_drain_waits_for_in_flight_and_turns_ready_503():
 async def test_router_process_drains_on_sigterm():
     async with emulated_replicas(1, time_scale=1.0) as (rep,):
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0",
+            sys.executable, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0",
             "--replicas", rep.url, "--tokenizer", TINY_TOKENIZER, "--log-level", "warning",
             stdout=asyncio.subprocess.PIPE, cwd=str(REPO),
         )

@@ -2,7 +2,7 @@
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import RouterMetrics
+from kvroute.router.metrics import RouterMetrics
 
 
 def _requests(m: RouterMetrics) -> dict[tuple[str, str, str], float]:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.errors import ApiError
-from router.requests import json_depth_exceeds, parse_request, prompt_batch
+from kvroute.common.errors import ApiError
+from kvroute.common.requests import json_depth_exceeds, parse_request, prompt_batch
 
 
 def _err(kind: str, body: bytes) -> ApiError:

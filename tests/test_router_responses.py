@@ -9,9 +9,9 @@ import aiohttp
 import openai
 import pytest
 
-from router.requests import ParsedRequest
-from router.response_memory import ResponseMemory
-from router.responses import parse_responses
+from kvroute.common.requests import ParsedRequest
+from kvroute.router.response_memory import ResponseMemory
+from kvroute.common.responses import parse_responses
 from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, sample, scrape
 
 LONG = "Tell me about the history of prefix caching in inference engines, in detail. " * 12

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.blocks import block_hashes, namespace_seed
-from router.reuse import SAMPLE, SMALL_TOKENS, WINDOW, ReuseTracker, fingerprints, small_fingerprints
+from kvroute.common.blocks import block_hashes, namespace_seed
+from kvroute.router.reuse import SAMPLE, SMALL_TOKENS, WINDOW, ReuseTracker, fingerprints, small_fingerprints
 
 BS = 16
 SEED = namespace_seed("m")

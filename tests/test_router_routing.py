@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from router.blocks import block_hashes, namespace_seed
-from router.breaker import CircuitBreaker
-from router.fleet import Replica
-from router.routing import adapter_of, approximate_token_bytes, chat_text, client_label, tenant_salt
+from kvroute.common.blocks import block_hashes, namespace_seed
+from kvroute.router.breaker import CircuitBreaker
+from kvroute.router.fleet import Replica
+from kvroute.router.routing import adapter_of, approximate_token_bytes, chat_text, client_label, tenant_salt
 
 
 def _replica(cards: list[dict]) -> Replica:
@@ -58,12 +58,12 @@ def test_chat_text_flattens_parts():
 def test_placement_chooses_again_when_the_pick_cannot_be_claimed():
     # Round robin picks b second; b is half-open and its trial was taken meanwhile (claim refuses):
     # the request goes to another replica instead, and nothing is booked on b.
-    from router.index.memory import MemoryIndex
-    from router.load import LoadTracker
-    from router.index.client import IndexClient
-    from router.placement import Placement
-    from router.policy.base import ReplicaState, RouteRequest
-    from router.policy.round_robin import RoundRobinPolicy
+    from kvroute.router.index.memory import MemoryIndex
+    from kvroute.router.load import LoadTracker
+    from kvroute.router.index.client import IndexClient
+    from kvroute.router.placement import Placement
+    from kvroute.router.policy.base import ReplicaState, RouteRequest
+    from kvroute.router.policy.round_robin import RoundRobinPolicy
 
     load = LoadTracker()
     claimed: list[str] = []

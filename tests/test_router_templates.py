@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from replica import tiny_model
+from kvroute.replica import tiny_model
 from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, scrape, total
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a prefix cache? " * 8}]

@@ -149,7 +149,7 @@ async def test_a_worker_that_cannot_start_fails_the_start():
     async with emulated_replicas(1) as reps:
         started = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", str(free_port()),
+            sys.executable, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", str(free_port()),
             "--replicas", reps[0].url, "--tokenizer", "/nonexistent/tokenizer", "--workers", "2",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=str(REPO),
         )  # fmt: skip
@@ -161,7 +161,7 @@ async def test_a_worker_that_cannot_start_fails_the_start():
 
 
 def test_workers_setting(tmp_path):
-    from router.config import load_settings, usable_cores
+    from kvroute.router.config import load_settings, usable_cores
 
     assert load_settings(["--workers", "auto", "--port", "8000"]).workers == usable_cores()
     cpu_max = tmp_path / "cpu.max"
@@ -170,7 +170,7 @@ def test_workers_setting(tmp_path):
     cpu_max.write_text("50000 100000\n")  # half a core: one worker
     assert usable_cores(cpu_max) == 1
     run = subprocess.run(
-        [sys.executable, "-m", "router.cli", "router", "--port", "0", "--workers", "2"],
+        [sys.executable, "-m", "kvroute.cli", "router", "--port", "0", "--workers", "2"],
         capture_output=True, text=True, cwd=str(REPO), timeout=60,
     )  # fmt: skip
     assert run.returncode == 2 and "port 0 with several workers" in run.stderr
@@ -179,7 +179,7 @@ def test_workers_setting(tmp_path):
 _DEPARTED = """
 import os, sys, tempfile
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp()
-from router.metrics import RouterMetrics
+from kvroute.router.metrics import RouterMetrics
 m = RouterMetrics("round_robin")
 m.know_model("tiny", ["a", "b"])
 m.requests.labels("tiny", "a", "200").inc(3)
@@ -221,8 +221,8 @@ async def test_without_redis_every_worker_follows_the_kv_events(redis_url, redis
     prefixes all reaching the cache holder by luck is 1 chance in 81 per attempt."""
     import redis.asyncio as aioredis
 
-    from replica.emulated.server import EmulatedReplica, ReplicaConfig
-    from router.registry import ReplicaRecord, register
+    from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
+    from kvroute.common.registry import ReplicaRecord, register
 
     reps = []
     for _ in range(3):

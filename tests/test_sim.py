@@ -7,14 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from bench import sim_cli
-from bench.limit import LIMIT_KEYS, isolated_ttft
-from bench.reuse_loss import LOSS_KEYS, AuditedSim, audit
-from bench.sim import METRIC_KEYS, FleetConfig, FleetSim, drive, offered_load_rate, prepare, simulate_policy
-from bench.workloads import ConversationConfig, SessionsConfig, build_workload
-from replica.emulated.engine import EmulatedEngine, EngineRequest
-from replica.emulated.profile import DEFAULT_PROFILE, PROFILES
-from router.policy import make_policy
+from kvroute.bench import sim_cli
+from kvroute.bench.limit import LIMIT_KEYS, isolated_ttft
+from kvroute.bench.reuse_loss import LOSS_KEYS, AuditedSim, audit
+from kvroute.bench.sim import METRIC_KEYS, FleetConfig, FleetSim, drive, offered_load_rate, prepare, simulate_policy
+from kvroute.bench.workloads import ConversationConfig, SessionsConfig, build_workload
+from kvroute.replica.emulated.engine import EmulatedEngine, EngineRequest
+from kvroute.replica.emulated.profile import DEFAULT_PROFILE, PROFILES
+from kvroute.router.policy import make_policy
 
 BS = DEFAULT_PROFILE.block_size
 

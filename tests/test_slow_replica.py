@@ -16,8 +16,8 @@ import time
 import aiohttp
 import numpy as np
 
-from bench.chat_text import chat_text
-from replica.emulated.server import EmulatedReplica, ReplicaConfig
+from kvroute.bench.chat_text import chat_text
+from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 from tests.router_support import MODEL, running_router, started
 
 SESSIONS, TURNS, IN_FLIGHT = 24, 8, 6

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import Sample, analyze
+from kvroute.bench.soak import Sample, analyze
 
 RULE = dict(warmup_s=60, window_s=60)
 

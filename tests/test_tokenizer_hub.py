@@ -21,8 +21,8 @@ import pytest
 from huggingface_hub import scan_cache_dir
 from huggingface_hub.file_download import repo_folder_name
 
-from replica.assets import TINY_TOKENIZER
-from router.tokens.hub import hub_model_id, tokenizer_dir
+from kvroute.replica.assets import TINY_TOKENIZER
+from kvroute.common.tokens.hub import hub_model_id, tokenizer_dir
 from tests.router_support import RouterProcess, emulated_replicas, scrape, total
 
 MODEL_ID = "kvroute-test/tiny-tokenizer"
@@ -99,7 +99,7 @@ async def test_router_resolves_a_model_id_from_the_hub_cache_offline(offline_hub
 
 def test_a_model_id_missing_from_the_cache_offline_is_a_clear_startup_error(offline_hub):
     done = subprocess.run(
-        [sys.executable, "-m", "router.cli", "router", "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0",
          "--replicas", "http://127.0.0.1:9", "--tokenizer", "kvroute-test/absent"],
         capture_output=True, text=True, timeout=60, env=offline_hub, cwd=REPO,
     )  # fmt: skip

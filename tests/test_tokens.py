@@ -1,4 +1,4 @@
-"""router.tokens and the tiny tokenizer of replica.tiny_model.
+"""kvroute.common.tokens and the tiny tokenizer of kvroute.replica.tiny_model.
 
 The reference for every encoding is ``tokenizers`` itself encoding the whole string, loaded fresh
 from the same tokenizer.json: the segment cache must never change a single id.
@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HfTokenizer
 
-from replica import tiny_model
-from replica.assets import TINY_TOKENIZER
-from router.tokens import (
+from kvroute.replica import tiny_model
+from kvroute.replica.assets import TINY_TOKENIZER
+from kvroute.common.tokens import (
     ChatTemplateError,
     Tokenizer,
     TokenizerLoadError,
@@ -54,12 +54,12 @@ def reference() -> HfTokenizer:
 def test_tokenizer_builds_deterministically_and_matches_committed_asset(tmp_path):
     tiny_model.build_tokenizer(tmp_path / "a")
     # Second build in a fresh process (other hash seeds), through the CLI.
-    subprocess.run([sys.executable, "-m", "replica.tiny_model", "--out", str(tmp_path / "b")], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "kvroute.replica.tiny_model", "--out", str(tmp_path / "b")], cwd=ROOT, check=True, capture_output=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         built = (tmp_path / "a" / name).read_bytes()
         assert built == (tmp_path / "b" / name).read_bytes(), f"two builds of {name} differ"
         assert built == (ASSET / name).read_bytes(), (
-            f"committed {name} is stale: regenerate with `python -m replica.tiny_model --out replica/assets/tiny-tokenizer`")
+            f"committed {name} is stale: regenerate with `python -m kvroute.replica.tiny_model --out replica/assets/tiny-tokenizer`")
     total = sum(p.stat().st_size for p in ASSET.iterdir())
     assert total < 300_000, f"asset is {total} bytes"
 
@@ -457,7 +457,7 @@ def test_registry_maps_models_to_tokenizers(tmp_path):
        st.booleans())
 def test_aencode_bytes_equals_the_bytes_of_aencode(pieces, special):
     """The router hashes the bytes form; it must be exactly the ids of the list form."""
-    from router.blocks import token_bytes
+    from kvroute.common.blocks import token_bytes
 
     tokenizer = Tokenizer.from_dir(ASSET)
     text = "".join(pieces)
@@ -476,8 +476,8 @@ def test_aencode_bytes_equals_the_bytes_of_aencode(pieces, special):
 
 
 def test_a_long_text_encodes_exactly_off_the_loop_and_a_limit_refuses_it(reference):
-    from router.blocks import token_bytes
-    from router.tokens import PromptTooLong
+    from kvroute.common.blocks import token_bytes
+    from kvroute.common.tokens import PromptTooLong
 
     tok = Tokenizer.from_dir(ASSET)
     text = ("Hello world<|im_end|>\n" + " ".join(tiny_model.training_corpus(5, 40))) * 4  # > 64 K chars: the pool path
@@ -516,7 +516,7 @@ LONG_TEXTS = {
 
 @pytest.mark.parametrize("name", list(LONG_TEXTS))
 def test_chunked_encoding_equals_whole_string_encoding(reference, name):
-    from router.tokens.long_text import encode_long
+    from kvroute.common.tokens.long_text import encode_long
 
     text = LONG_TEXTS[name]
     got = encode_long(lambda texts: reference.encode_batch(texts, add_special_tokens=False), text, chunk_chars=2000)

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from replica.cli import _byte_size
-from replica.cli import main as replica_main
-from replica.vllm import (
+from kvroute.replica.cli import _byte_size
+from kvroute.replica.cli import main as replica_main
+from kvroute.replica.vllm import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     VllmReplicaConfig,
     build_command,
@@ -23,7 +23,7 @@ from replica.vllm import (
     split_extra_args,
     with_free_ports,
 )
-from replica.vllm_supervisor import exit_code
+from kvroute.replica.vllm_supervisor import exit_code
 
 TINY_TOKENIZER = "tests/assets/tiny-tokenizer"  # an existing local directory
 
@@ -200,7 +200,7 @@ def test_free_ports_picked_before_binding_never_repeat():
     """A fleet's ports are all picked before its replicas bind them, and the OS readily hands a
     just-released port to the next pick (two vLLM replicas of one test run got one replay port):
     neither the launcher's picks nor the tests' repeat within a process."""
-    from replica.vllm import free_port as launcher_port
+    from kvroute.replica.vllm import free_port as launcher_port
     from tests.conftest import free_port as test_port
 
     for pick in (launcher_port, test_port):

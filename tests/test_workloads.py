@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from bench.sim import available_blocks
-from bench.workloads import (
+from kvroute.bench.sim import available_blocks
+from kvroute.bench.workloads import (
     TRACE_BLOCK_TOKENS,
     VOCAB_SIZE,
     ConversationConfig,
@@ -15,7 +15,7 @@ from bench.workloads import (
     text_proxy,
     trace_block_tokens,
 )
-from router.blocks import block_hashes, namespace_seed
+from kvroute.common.blocks import block_hashes, namespace_seed
 
 SEED = namespace_seed("test-model")
 

@@ -1,4 +1,4 @@
-"""Files shipped in the package: the tiny tokenizer of ``replica.tiny_model`` (the emulated
+"""Files shipped in the package: the tiny tokenizer of ``kvroute.replica.tiny_model`` (the emulated
 replicas' default, the demo's and the tests'), so an installed wheel needs no checkout."""
 
 from pathlib import Path

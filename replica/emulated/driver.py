@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from router.blocks import block_hashes, namespace_seed
+from kvroute.common.blocks import block_hashes, namespace_seed
 
 from .engine import EmulatedEngine, EngineRequest, EngineUpdate
 from .event_wire import EventWire

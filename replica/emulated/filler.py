@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.tokens import Tokenizer
+from kvroute.common.tokens import Tokenizer
 
 # Readable, ASCII (one piece per token decodes cleanly).
 FILLER_TEXT = (

@@ -20,9 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
-from router.requests import decode_json_object, parse_request, prompt_batch
-from router.responses import chat_messages, input_messages, parse_responses
-from router.tokens import ChatTemplateError, Tokenizer
+from kvroute.common.requests import decode_json_object, parse_request, prompt_batch
+from kvroute.common.responses import chat_messages, input_messages, parse_responses
+from kvroute.common.tokens import ChatTemplateError, Tokenizer
 
 from .driver import EngineDriver, Generation
 from .filler import Filler
@@ -41,7 +41,7 @@ REQUEST_ID = web.RequestKey("request_id", str)  # the id a response echoes in X-
 @dataclass
 class _Parsed:
     body: dict[str, Any]  # the client's JSON
-    request: Any  # its validated model (router.requests)
+    request: Any  # its validated model (kvroute.common.requests)
     stream: bool
     include_usage: bool
     continuous_usage: bool
@@ -177,7 +177,7 @@ class ReplicaHandlers:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """vLLM's /v1/responses without Harmony: instructions, the stored conversation of
-        previous_response_id and the input's messages, rendered as a chat (router/responses.py
+        previous_response_id and the input's messages, rendered as a chat (common/responses.py
         states the rules); the answer stored for the next turn unless ``store`` is false."""
         if self.driver.dead is not None:
             raise ReplicaError(503, f"engine dead: {self.driver.dead!r}", type="EngineDeadError")

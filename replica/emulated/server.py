@@ -24,8 +24,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from replica.assets import TINY_TOKENIZER
-from router.tokens import Tokenizer
+from kvroute.replica.assets import TINY_TOKENIZER
+from kvroute.common.tokens import Tokenizer
 
 from .driver import EngineDriver, VirtualClock
 from .engine import EmulatedEngine

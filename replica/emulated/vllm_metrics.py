@@ -43,7 +43,7 @@ def cache_config_labels(block_size: int, num_gpu_blocks: int) -> dict[str, str]:
         "gpu_memory_utilization": "0.9",
         "num_cpu_blocks": "None",
         "num_gpu_blocks": str(num_gpu_blocks),
-        "prefix_caching_hash_algo": "xxhash",  # the emulator chains xxh3-64 (router.blocks)
+        "prefix_caching_hash_algo": "xxhash",  # the emulator chains xxh3-64 (kvroute.common.blocks)
         "engine": ENGINE,
     }
 

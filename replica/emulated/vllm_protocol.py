@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from router.errors import ApiError
+from kvroute.common.errors import ApiError
 
 log = logging.getLogger("kvroute.replica")
 
@@ -54,7 +54,7 @@ async def error_middleware(request: web.Request,
         return await handler(request)
     except ReplicaError as exc:
         return exc.response()
-    except ApiError as exc:  # the shared request validation (router.requests) raises the router's kind
+    except ApiError as exc:  # the shared request validation (kvroute.common.requests) raises the router's kind
         return ReplicaError(exc.status, exc.message, param=exc.param).response()
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -10,7 +10,7 @@ from typing import Any
 
 from .base import DiscoverySource, Listing
 
-log = logging.getLogger("router.fleet")
+log = logging.getLogger("kvroute.router.fleet")
 
 
 def select_addresses(infos: list[tuple[Any, ...]], family: str = "auto") -> list[str]:

@@ -23,10 +23,11 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from ..registry import ReplicaRecord
+from kvroute.common.registry import ReplicaRecord
+
 from .base import normalize_url
 
-log = logging.getLogger("router.fleet")
+log = logging.getLogger("kvroute.router.fleet")
 
 EndpointOrigin = Literal["registered", "configured", "convention"]
 SCHEMES = ("tcp://", "ipc://", "inproc://")

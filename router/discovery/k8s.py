@@ -34,7 +34,7 @@ from .base import DiscoverySource, Listing
 from .dns import address_url
 from .metrics import DiscoveryMetrics
 
-log = logging.getLogger("router.fleet")
+log = logging.getLogger("kvroute.router.fleet")
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 LIST_PAGE = 500  # pods per list call (the API server's continue token pages the rest)

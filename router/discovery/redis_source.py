@@ -1,4 +1,4 @@
-"""Replicas registered in Redis by kvroute's launchers (``router.registry``): a registration whose
+"""Replicas registered in Redis by kvroute's launchers (``kvroute.common.registry``): a registration whose
 TTL lapses (its replica stopped heartbeating) leaves the listing."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import logging
 
 import redis.asyncio as aioredis
 
-from ..registry import ReplicaRecord, list_replicas
+from kvroute.common.registry import ReplicaRecord, list_replicas
+
 from .base import DiscoverySource, Listing, normalize_url
 
-log = logging.getLogger("router.fleet")
+log = logging.getLogger("kvroute.router.fleet")
 
 
 class RedisSource(DiscoverySource):

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.aio import cancel_and_wait
+from kvroute.router.aio import cancel_and_wait
 
 from .base import PrefixIndex, ReplicaSpec
 from .memory import MemoryIndex

@@ -63,7 +63,7 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from router.blocks import HASH_SCHEME
+from kvroute.common.blocks import HASH_SCHEME
 
 from .base import PrefixIndex, ReplicaSpec
 

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Literal
 
-from router.index.client import IndexClient
+from kvroute.router.index.client import IndexClient
 
 from .metrics import KVEventMetrics
 

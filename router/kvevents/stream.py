@@ -49,7 +49,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from router.index.client import IndexClient
+from kvroute.router.index.client import IndexClient
 
 from .index_writer import IndexWriter
 from .liveness import EventsLiveness, HeardState

@@ -30,17 +30,17 @@ from urllib.parse import urlsplit
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from router.aio import cancel_and_wait
-from router.fleet import card_parent
-from router.index.base import PrefixIndex
-from router.index.client import IndexClient, as_client
+from kvroute.router.aio import cancel_and_wait
+from kvroute.router.fleet import card_parent
+from kvroute.router.index.base import PrefixIndex
+from kvroute.router.index.client import IndexClient, as_client
 
 from .liveness import HeardState
 from .metrics import KVEventMetrics
 from .stream import ReplicaStream, StreamStatus
 
 if TYPE_CHECKING:
-    from router.fleet import Replica
+    from kvroute.router.fleet import Replica
 
 log = logging.getLogger("kvroute.kvevents")
 

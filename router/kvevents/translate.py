@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from router.blocks import chain_from_bytes, namespace_seed, token_bytes
+from kvroute.common.blocks import chain_from_bytes, namespace_seed, token_bytes
 
 from .wire import BlockRemoved, BlockStored, EngineHash
 

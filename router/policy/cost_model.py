@@ -38,7 +38,7 @@ available; "greedy" is this request's TTFT alone (``greedy_ttft``, the default u
   loosened, sent sessions to whichever full replica's count dipped (sessions 96.3% vs 99.5%,
   imbalance 1.25): in steady state every cache is full and the difference is noise.
 - Why sglang_cache_aware keeps more of the trace's reuse at some seeds (``python -m
-  bench.reuse_loss``, which checks every decision against the engines' caches).  (a) The
+  kvroute.bench.reuse_loss``, which checks every decision against the engines' caches).  (a) The
   prefix index dropped blocks the engines still held (its capacity bound let predictions evict
   confirmed entries); bounded apart since (docs/design.md §3.3): 16 replicas, seeds 0-2, 66.3 /
   66.3 / 69.0% -> 69.8 / 68.8 / 68.5%; no decision now leaves a holder the index forgot.
@@ -204,7 +204,7 @@ class CostModelPolicy(Policy):
         decode_weight: prompt-token cost of one running sequence per engine step (4.0).
         step_token_budget: tokens per engine step, vLLM's max_num_batched_tokens (8192).
         default_prefill_rate: tokens/s for replicas with no learned rate (None: the
-            LoadTracker's prior, router.load.DEFAULT_PREFILL_RATE).
+            LoadTracker's prior, kvroute.router.load.DEFAULT_PREFILL_RATE).
         per_replica_rates: each replica's own learned rate instead of the median (False).
         slow_margin: a replica whose learned rate is below the median by more than noise is
             slow: its work costs (median / its rate) - slow_margin times more, on this turn and
@@ -219,7 +219,7 @@ class CostModelPolicy(Policy):
         seed: accepted for a uniform constructor; the policy is deterministic.
         """
         if default_prefill_rate is None:
-            # Imported here: router.load imports this package (for ReplicaState) at its top.
+            # Imported here: kvroute.router.load imports this package (for ReplicaState) at its top.
             from ..load import DEFAULT_PREFILL_RATE
 
             default_prefill_rate = DEFAULT_PREFILL_RATE

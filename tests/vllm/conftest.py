@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from replica.tiny_model import ensure_model
+from kvroute.replica.tiny_model import ensure_model
 from tests.conftest import delete_keys, require_redis
 from tests.vllm.support import (
     SMALL_KV_BLOCKS,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replica.vllm_fleet import (
+from kvroute.replica.vllm_fleet import (
     BLOCK_SIZE,
     REPO,
     LaunchedReplica,

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.demo import DEFAULTS
-from bench.demo_chat import build_workload
-from replica.vllm_fleet import FleetError, ReplicaOptions, VllmDemoFleet
+from kvroute.bench.demo import DEFAULTS
+from kvroute.bench.demo_chat import build_workload
+from kvroute.replica.vllm_fleet import FleetError, ReplicaOptions, VllmDemoFleet
 from tests.vllm.support import REPO
 
 MARK = "KVROUTE_TEST_MARK"
@@ -57,7 +57,7 @@ def default_sigint() -> None:
 
 def demo_process(vllm_python: Path, mark: str, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, KVROUTE_VLLM_PYTHON=str(vllm_python), **{MARK: mark})
-    return subprocess.Popen([sys.executable, "-m", "router.cli", "demo", *args], cwd=REPO, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "kvroute.cli", "demo", *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
 
 
@@ -81,7 +81,7 @@ def wait_gone(mark: str, timeout: float = 10.0) -> dict[int, str]:
 
 def emulated_json_keys() -> tuple[set[str], set[str], set[str]]:
     """Top-level, per-policy and per-pass keys of the emulated demo's --json, from a tiny real run."""
-    out = subprocess.run([sys.executable, "-m", "router.cli", "demo", *EMULATED_SMALL, "--json"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "demo", *EMULATED_SMALL, "--json"], cwd=REPO,
                          capture_output=True, text=True, timeout=120, check=True).stdout
     doc = json.loads(out)
     return set(doc), set(doc["policies"]["cost_model"]), set(doc["passes"]["cost_model"])
@@ -108,7 +108,7 @@ def test_demo_vllm_json_matches_the_emulated_demo_and_leaves_nothing_running(vll
     assert proc.returncode == 0, err[-4000:]
     # The scan finds what the demo starts: two launchers, two vLLM servers (a fork caught before
     # its exec shows its parent's command line: hence at least).
-    assert sum("router.cli replica --engine vllm" in cmd for cmd in seen.values()) >= 2, seen
+    assert sum("kvroute.cli replica --engine vllm" in cmd for cmd in seen.values()) >= 2, seen
     assert sum("vllm.entrypoints.openai.api_server" in cmd for cmd in seen.values()) >= 2, seen
     assert wait_gone(mark) == {}, "the demo left processes running"
 

@@ -35,13 +35,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from replica.emulated.server import EmulatedReplica, ReplicaConfig
-from router.app import RouterApp
-from router.blocks import block_hashes, hash_block, namespace_seed
-from router.config import load_settings
-from router.kvevents.metrics import LAG_BUCKETS
-from router.scrape import parse_vllm_metrics
-from router.tokens import Tokenizer
+from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
+from kvroute.router.app import RouterApp
+from kvroute.common.blocks import block_hashes, hash_block, namespace_seed
+from kvroute.router.config import load_settings
+from kvroute.router.kvevents.metrics import LAG_BUCKETS
+from kvroute.common.scrape import parse_vllm_metrics
+from kvroute.common.tokens import Tokenizer
 from tests.router_support import scrape, total
 from tests.vllm.conftest import SMALL_KV
 from tests.vllm.support import BLOCK_SIZE, MODEL, LaunchedReplica, ReplicaPool

@@ -25,9 +25,9 @@ import redis
 import redis.asyncio as aioredis
 import zmq
 
-from router.registry import list_replicas, record_key
-from router.scrape import parse_vllm_metrics
-from router.tokens import Tokenizer
+from kvroute.common.registry import list_replicas, record_key
+from kvroute.common.scrape import parse_vllm_metrics
+from kvroute.common.tokens import Tokenizer
 from tests.vllm.support import BLOCK_SIZE, MODEL, REPO, SMALL_KV_BLOCKS, LaunchedReplica, ReplicaPool
 
 ASSET = REPO / "tests" / "assets" / "tiny-tokenizer"
@@ -73,7 +73,7 @@ def client(replica: LaunchedReplica) -> openai.OpenAI:
 
 def build_tiny_model(python: Path, out: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    subprocess.run([str(python), "-m", "replica.tiny_model", "--out", str(out), "--model"],
+    subprocess.run([str(python), "-m", "kvroute.replica.tiny_model", "--out", str(out), "--model"],
                    cwd=REPO, env=env, check=True, capture_output=True)
 
 

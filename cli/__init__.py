@@ -8,11 +8,11 @@ import sys
 # subcommand -> (module, function, help); modules are imported lazily so `kvroute sim` does not
 # pay for aiohttp and `kvroute router` does not pay for matplotlib.
 COMMANDS = {
-    "sim": ("bench.sim_cli", "main", "fleet simulator: compare routing policies in virtual time"),
-    "router": ("router.main", "main", "run the cache-aware router (OpenAI-compatible proxy)"),
-    "replica": ("replica.cli", "main", "run a replica: emulated, or real vLLM through the launcher"),
-    "demo": ("bench.demo", "main", "router + emulated (or --engine vllm) replicas on loopback, round_robin vs cost_model"),
-    "bench": ("bench.cli", "main", "benchmarks against a live endpoint: `kvroute bench replay --trace FILE --url URL`"),
+    "sim": ("kvroute.bench.sim_cli", "main", "fleet simulator: compare routing policies in virtual time"),
+    "router": ("kvroute.router.main", "main", "run the cache-aware router (OpenAI-compatible proxy)"),
+    "replica": ("kvroute.replica.cli", "main", "run a replica: emulated, or real vLLM through the launcher"),
+    "demo": ("kvroute.bench.demo", "main", "router + emulated (or --engine vllm) replicas on loopback, round_robin vs cost_model"),
+    "bench": ("kvroute.bench.cli", "main", "benchmarks against a live endpoint: `kvroute bench replay --trace FILE --url URL`"),
 }
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from .settings_cli import version
+        from kvroute.router.settings_cli import version
 
         print(f"kvroute {version()}")
         return 0

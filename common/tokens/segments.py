@@ -1,7 +1,7 @@
 """Where a prompt is cut, and the token ids of the pieces already seen.
 
 ``tokenizers`` cuts its input at every added token matched on the raw text before it runs the
-model on each piece between them (see router/tokens/tokenizer.py): :class:`Splitter` cuts the
+model on each piece between them (see common/tokens/tokenizer.py): :class:`Splitter` cuts the
 same way, and :class:`SegmentCache` keeps the ids of pieces seen before (earlier turns, shared
 system prompts) as uint32 arrays.
 """

@@ -19,7 +19,7 @@ from tokenizers.processors import TemplateProcessing
 
 from .errors import TokenizerLoadError, TokenizerNotFoundError
 
-# Every file read_dir reads: what is fetched of a Hugging Face model given by id (router/tokens/hub.py).
+# Every file read_dir reads: what is fetched of a Hugging Face model given by id (common/tokens/hub.py).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template", "chat_template.json")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 

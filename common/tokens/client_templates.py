@@ -3,7 +3,7 @@
 A template is a program: ``{% for i in range(100000) %}{% for j in range(1000) %}…`` runs for
 seconds, and on the event loop it stalls every request of the router.  So a request's
 ``chat_template`` renders in a separate process (sandboxed Jinja as always, see
-router/tokens/template_worker.py); a job over the time budget gets its worker SIGKILLed and
+common/tokens/template_worker.py); a job over the time budget gets its worker SIGKILLed and
 replaced, a job over the output budget is stopped by the worker; both refuse the request
 (:class:`ClientTemplateRefused`).  ``workers`` jobs run at a time; the others wait at most
 ``queue_timeout_s`` for a worker.
@@ -28,7 +28,7 @@ from .template_worker import HEADER  # the wire format is defined by the worker
 log = logging.getLogger(__name__)
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding `router/`
-_WORKER_MAIN = "import sys; from router.tokens.template_worker import main; sys.exit(main(sys.argv))"
+_WORKER_MAIN = "import sys; from kvroute.common.tokens.template_worker import main; sys.exit(main(sys.argv))"
 _START_TIMEOUT_S = 30.0  # a worker's interpreter start, on a loaded host
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(dict).decode

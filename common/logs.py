@@ -6,7 +6,7 @@ replica, tokens ...) and ``exc`` with a traceback.  ``text`` is the classic line
 fields appended as ``key=value``.
 
 Records are formatted where they are logged and queued as lines; one thread writes them, what
-queued since its last write in one call (``python -m bench.access_log_cost`` measures the cost),
+queued since its last write in one call (``python -m kvroute.bench.access_log_cost`` measures the cost),
 so a slow stderr (a full pipe, a stalled log collector) never blocks the event loop.
 """
 

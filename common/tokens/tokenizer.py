@@ -181,7 +181,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, spec: str | os.PathLike[str], **kwargs: Any) -> Tokenizer:
-        """A tokenizer from a directory or a Hugging Face model id (:mod:`router.tokens.hub`)."""
+        """A tokenizer from a directory or a Hugging Face model id (:mod:`kvroute.common.tokens.hub`)."""
         from .hub import hub_model_id, tokenizer_dir
 
         if hub_model_id(spec) is not None:
@@ -191,7 +191,7 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str], *, chat_template: str | os.PathLike[str] | None = None, **kwargs: Any) -> Tokenizer:
         """Load ``tokenizer.json`` + ``tokenizer_config.json`` (and a chat template file) from a
-        directory; :func:`router.tokens.loading.read_dir` says where the template comes from."""
+        directory; :func:`kvroute.common.tokens.loading.read_dir` says where the template comes from."""
         backend, config, template = read_dir(path, chat_template)
         kwargs.setdefault("name", Path(path).name)
         return cls(backend, config, chat_template=template, **kwargs)

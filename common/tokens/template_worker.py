@@ -1,4 +1,4 @@
-"""The worker process that renders clients' chat templates (started by router/tokens/client_templates.py).
+"""The worker process that renders clients' chat templates (started by common/tokens/client_templates.py).
 
 It reads length-prefixed msgpack :class:`RenderJob` frames on stdin and answers one frame each on
 stdout: ``{"text": …}``, ``{"error": …}`` (the template failed, as the model's own may) or

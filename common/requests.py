@@ -98,7 +98,7 @@ def _plain_messages(messages: Any) -> bool:
     return True
 
 
-Kind = Literal["completion", "chat", "responses"]  # responses: router/responses.py
+Kind = Literal["completion", "chat", "responses"]  # responses: common/responses.py
 _MODELS: dict[Kind, type[_CommonRequest]] = {"completion": CompletionRequest, "chat": ChatRequest}
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
@@ -122,7 +122,7 @@ class ParsedRequest:
 
     @property
     def render_body(self) -> dict[str, Any]:
-        """What routing renders and tokenizes (a Responses request: its chat, router/responses.py)."""
+        """What routing renders and tokenizes (a Responses request: its chat, common/responses.py)."""
         return self.body
 
     def forward_body(self, additions: dict[str, Any]) -> bytes:

@@ -1,4 +1,4 @@
-"""The errors of router.tokens."""
+"""The errors of kvroute.common.tokens."""
 
 from __future__ import annotations
 
