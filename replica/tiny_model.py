@@ -15,6 +15,10 @@ prefix caching and real KV events.  Writing the weights needs the ``safetensors`
 comes with vLLM, so the model is built with the vLLM environment's Python).
 
     python -m kvroute.replica.tiny_model --out DIR [--vocab-size N] [--model]
+    python -P replica/tiny_model.py --out DIR --model    (an interpreter without kvroute: vLLM's)
+
+It imports nothing of kvroute, so any interpreter with ``tokenizers`` runs it as a script
+(``build_command``); ``-P`` keeps its folder, which holds a ``vllm.py``, off ``sys.path``.
 
 Two builds with the same arguments give byte-identical files (checked by the tests), so the
 committed copy under ``replica/assets/tiny-tokenizer/`` (shipped in the package) can always be regenerated and compared.
@@ -25,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -372,6 +375,11 @@ def model_cache_dir(root: str | Path | None = None) -> Path:
     return base / f"tiny-model-{digest}"
 
 
+def build_command(python: str | Path, out: str | Path, *args: str) -> list[str]:
+    """argv of a build into ``out`` by ``python``, which need not have kvroute: this file as a script."""
+    return [str(python), "-P", str(Path(__file__).resolve()), "--out", str(out), *args]
+
+
 def ensure_model(out_dir: str | Path | None = None, python: str | None = None) -> Path:
     """The tiny model's directory, built first if any file is missing.
 
@@ -385,11 +393,8 @@ def ensure_model(out_dir: str | Path | None = None, python: str | None = None) -
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    repo_root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
     try:
-        subprocess.run([python or sys.executable, "-m", "kvroute.replica.tiny_model", "--out", str(tmp), "--model"],
-                       check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(build_command(python or sys.executable, tmp, "--model"), check=True, stdout=subprocess.DEVNULL)
         try:
             tmp.rename(out)
         except OSError:  # another caller won the race (or out exists half-built): keep theirs

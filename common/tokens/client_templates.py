@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,7 +25,7 @@ from .template_worker import HEADER  # the wire format is defined by the worker
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding `router/`
+# this interpreter, with our environment: it finds kvroute where this process did (installed)
 _WORKER_MAIN = "import sys; from kvroute.common.tokens.template_worker import main; sys.exit(main(sys.argv))"
 _START_TIMEOUT_S = 30.0  # a worker's interpreter start, on a loaded host
 _encode = msgspec.msgpack.Encoder().encode
@@ -40,10 +38,9 @@ class _Worker:
 
     @classmethod
     async def spawn(cls, max_output_chars: int) -> _Worker:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _WORKER_MAIN, str(max_output_chars),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )
         worker = cls(proc)
         try:

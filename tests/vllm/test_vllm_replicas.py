@@ -28,6 +28,7 @@ import zmq
 from kvroute.common.registry import list_replicas, record_key
 from kvroute.common.scrape import parse_vllm_metrics
 from kvroute.common.tokens import Tokenizer
+from kvroute.replica import tiny_model
 from tests.vllm.support import BLOCK_SIZE, MODEL, REPO, SMALL_KV_BLOCKS, LaunchedReplica, ReplicaPool
 
 ASSET = REPO / "tests" / "assets" / "tiny-tokenizer"
@@ -72,9 +73,7 @@ def client(replica: LaunchedReplica) -> openai.OpenAI:
 # -- the tiny model ---------------------------------------------------------------------------
 
 def build_tiny_model(python: Path, out: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    subprocess.run([str(python), "-m", "kvroute.replica.tiny_model", "--out", str(out), "--model"],
-                   cwd=REPO, env=env, check=True, capture_output=True)
+    subprocess.run(tiny_model.build_command(python, out, "--model"), cwd=REPO, check=True, capture_output=True)
 
 
 def test_tiny_model_builds_deterministically(vllm_python: Path, tmp_path: Path) -> None:
