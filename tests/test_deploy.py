@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +248,9 @@ def test_dockerfile_sources_and_commands_exist(name):
     for sources in copies:
         for source in sources:
             assert (REPO / source).exists(), source
+    # every package of the kvroute namespace is in the image (its folders: pyproject's package-dir)
+    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert set(package_dirs.values()) <= {source for sources in copies for source in sources}
     entry = json.loads(next(line for line in lines if line.startswith("ENTRYPOINT")).split(None, 1)[1])
     cmd = json.loads(next(line for line in lines if line.startswith("CMD")).split(None, 1)[1])
     assert entry[0] == "kvroute"
