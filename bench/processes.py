@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,3 +35,22 @@ async def stop_all(procs: list[asyncio.subprocess.Process]) -> None:
         except TimeoutError:
             proc.kill()
             await proc.wait()
+
+
+def checkout_command(checkout: Path, links: Path) -> tuple[list[str], dict[str, str]]:
+    """``python -m`` the `kvroute` command of another checkout (a change's before, say), and the
+    environment in which it imports that checkout's code, not this one's installed code.
+
+    Its packages are linked into a kvroute namespace under ``links`` (the folders its pyproject's
+    package-dir names), which PYTHONPATH puts ahead of any installed kvroute.  A checkout from
+    before the namespace (no package-dir: router/, replica/, bench/ were top-level packages) is
+    itself on PYTHONPATH.
+    """
+    setuptools = tomllib.loads((checkout / "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {})
+    if "package-dir" not in setuptools:
+        return [sys.executable, "-m", "router.cli"], {**os.environ, "PYTHONPATH": str(checkout)}
+    for package, folder in setuptools["package-dir"].items():
+        link = links.joinpath(*package.split("."))
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(checkout / folder, target_is_directory=True)
+    return [sys.executable, "-m", "kvroute.cli"], {**os.environ, "PYTHONPATH": str(links)}

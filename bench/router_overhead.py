@@ -39,6 +39,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from kvroute.bench.processes import stop_all
+from kvroute.bench.processes import checkout_command, stop_all
 from kvroute.replica.assets import TINY_TOKENIZER
 from kvroute.replica.vllm import free_port
 
@@ -114,8 +115,8 @@ def process_cpu_s(pid: int, *, children: bool = True) -> float:
     return own + sum(process_cpu_s(kid) for kid in kids)
 
 
-async def spawn(args: list[str], repo: Path = REPO) -> tuple[asyncio.subprocess.Process, str]:
-    env = {**os.environ, "PYTHONPATH": str(repo)} if repo != REPO else None
+async def spawn(args: list[str], repo: Path = REPO, env: dict[str, str] | None = None
+                ) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, cwd=str(repo), env=env)
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
@@ -242,6 +243,7 @@ async def start_sglang(python: Path, urls: list[str]) -> tuple[asyncio.subproces
 async def run(args: argparse.Namespace) -> dict:
     py = sys.executable
     procs: list[asyncio.subprocess.Process] = []
+    links = tempfile.TemporaryDirectory(prefix="kvroute-compare-")  # other checkouts' packages
     try:
         rep_proc, urls_line = await spawn([py, "-c", _REPLICAS_CHILD, str(args.replicas), MODEL])
         procs.append(rep_proc)
@@ -254,14 +256,16 @@ async def run(args: argparse.Namespace) -> dict:
                     *((f"kvroute@{Path(c).name}", Path(c).resolve(), 1) for c in args.compare)]
         for name, repo, workers in variants:
             port = "0" if workers == 1 else str(free_port())
+            kvroute, env = ([py, "-m", "kvroute.cli"], None) if repo == REPO else \
+                checkout_command(repo, Path(links.name) / name)
             proc, line = await spawn(
-                [py, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", port, "--replicas", ",".join(urls),
+                [*kvroute, "router", "--host", "127.0.0.1", "--port", port, "--replicas", ",".join(urls),
                  "--tokenizer", str(TOKENIZER), "--policy", "cost_model", "--log-level", "warning",
                  "--max-in-flight", "4096", *(["--workers", str(workers)] if repo == REPO else []),
                  # the replicas' one process is saturated at c=64 on a shared machine: a probe
                  # timing out at 1 s would take them all out of the fleet mid-measure
                  "--fleet.health-timeout-s", "10"],
-                repo,
+                repo, env,
             )
             procs.append(proc)
             routers[name], pids[name] = line.rsplit(" ", 1)[-1], proc.pid
@@ -281,6 +285,7 @@ async def run(args: argparse.Namespace) -> dict:
         return await measure_all(args, urls, routers, pids, floors)
     finally:
         await stop_all(procs)
+        links.cleanup()
 
 
 async def measure_all(
