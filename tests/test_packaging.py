@@ -1,6 +1,7 @@
 """The built wheel, installed into a fresh virtualenv, runs on its own: `kvroute --version`, `kvroute
 sim` on the packaged trace and `kvroute demo` on the packaged tokenizer, from a directory outside
-the repository, with no PYTHONPATH.
+the repository, with no PYTHONPATH.  It installs one package, kvroute, and every module and data
+file of the checkout's packages is in it.
 
 Nothing is downloaded: the wheel is built without isolation (`build`, `setuptools` and `wheel` come
 with the test extra) from a copy of the sources (the checkout stays clean), and installed with
@@ -11,12 +12,14 @@ The copy's version gets a local suffix, so `--version` can only come from the wh
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -24,7 +27,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "router", "replica", "bench")
+# package -> its folder in the repository (kvroute.router -> router)
+PACKAGE_DIRS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+SOURCES = ("pyproject.toml", "README.md", *PACKAGE_DIRS.values())
 WHEEL_VERSION = metadata.version("kvroute") + "+wheel.test"
 
 
@@ -33,6 +38,7 @@ class Installed:
     venv: Path
     cwd: Path  # outside the repository
     env: dict[str, str]
+    record: list[str]  # the files the wheel installed (its RECORD), relative to site-packages
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(self.venv / "bin" / args[0]), *args[1:]], capture_output=True, text=True,
@@ -71,20 +77,52 @@ def installed(tmp_path_factory) -> Installed:
     deps = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     Path(site, "kvroute-deps.pth").write_text("".join(f"{p}\n" for p in deps))
     run_checked([sys.executable, "-m", "pip", "--python", venv_python, "install", "--no-deps", "--no-index", str(wheel)])
+    (record_file,) = Path(site).glob("kvroute-*.dist-info/RECORD")
+    with record_file.open(newline="") as f:
+        record = [row[0] for row in csv.reader(f)]
 
     cwd = tmp / "elsewhere"
     cwd.mkdir()
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return Installed(venv, cwd, env)
+    return Installed(venv, cwd, env, record)
 
 
 def test_the_installed_package_is_imported_not_the_checkout(installed):
-    done = installed.run("python", "-c", "import sys, bench, replica, router; "
-                         "print('\\n'.join([bench.__file__, replica.__file__, router.__file__, *sys.path]))")
+    packages = sorted(PACKAGE_DIRS)
+    done = installed.run("python", "-c", f"import sys, {', '.join(packages)}; "
+                         f"print('\\n'.join([{', '.join(p + '.__file__' for p in packages)}, *sys.path]))")
     assert done.returncode == 0, done.stderr
-    *modules, = done.stdout.splitlines()[:3]
+    modules = done.stdout.splitlines()[:len(packages)]
     assert all(Path(m).is_relative_to(installed.venv) for m in modules), modules
-    assert str(REPO) not in done.stdout.splitlines()[3:], "the checkout is on sys.path"
+    assert str(REPO) not in done.stdout.splitlines()[len(packages):], "the checkout is on sys.path"
+
+
+def test_the_wheel_installs_kvroute_alone(installed):
+    """One top-level name in site-packages: the kvroute namespace (and the wheel's own metadata)."""
+    tops = {Path(path).parts[0] for path in installed.record if not path.startswith("../")}
+    (dist_info,) = tops - {"kvroute"}
+    assert dist_info.startswith("kvroute-") and dist_info.endswith(".dist-info"), tops
+    assert all(not path.startswith("kvroute/__init__") for path in installed.record), "kvroute is a namespace package"
+    assert [p for p in installed.record if p.startswith("../")] == ["../../../bin/kvroute"], "the console script alone"
+
+
+def test_the_wheel_holds_every_module_and_data_file_of_the_checkout(installed):
+    """pyproject.toml lists the packages one by one: a folder of modules left out of that list,
+    or data left out of package-data (the index's Lua scripts), would be missing here."""
+    shipped = set(installed.record)
+    for package, folder in PACKAGE_DIRS.items():
+        tracked = subprocess.run(["git", "ls-files", folder], cwd=REPO, capture_output=True, text=True,
+                                 check=True).stdout.split()
+        assert tracked, folder
+        wanted = {package.replace(".", "/") + path[len(folder):] for path in tracked
+                  if path.endswith((".py", ".lua", ".json", ".jsonl.gz")) or path.endswith("data/README.md")}
+        assert wanted <= shipped, sorted(wanted - shipped)
+
+
+def test_python_m_kvroute_cli_runs_the_command(installed):
+    done = installed.run("python", "-m", "kvroute.cli", "--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"kvroute {WHEEL_VERSION}"
 
 
 def test_version_comes_from_the_wheel(installed):
