@@ -1,131 +1,63 @@
 """kvroute's own policy: the placement that costs the fleet least, under bounded loads (docs/design.md §5.7).
 
-The cost, for each eligible replica r holding m_r leading blocks of a P-token prompt:
+For each eligible replica r holding m_r leading blocks of a P-token prompt:
 
     uncached_r = P - m_r * block_size
     cost_r     = (queued_prefill_tokens_r + own_work_weight * (1 + behind) * uncached_r
                   + decode_weight * decoding_r * steps_r) / prefill_rate
 
-Figures below: ``kvroute sim``, 8 replicas, seed 0, the default 75% load; reuse as delivered /
-available; "greedy" is this request's TTFT alone (``greedy_ttft``, the default until 2026-12).
-
-- This request waits for the work queued ahead of it and for its own prefill.  Its prefill also
-  delays the requests that will queue behind it: ``behind`` of them, rho / (1 - rho) for a queue
-  at utilisation rho, 3 at the 75% a fleet is run at.  So a request leaves the replica holding
-  its prefix only when that replica's queue costs more than the fleet pays for a second copy.
-  Final rules against greedy: trace 27.5% -> 34.9% of the available reuse (sglang_cache_aware
-  33.7%; one fleet-wide LRU of the same total size would keep 36.7%), TTFT p50 108 -> 98 ms,
-  p90/p99 1.80/3.73 -> 1.85/3.78 s; sessions 94.6% -> 99.4%, p90 269 -> 256 ms.  ``behind`` is
-  a constant, not a measured rho: the share of busy replicas (about 0.5 on sessions) gave
-  behind = 1, and was worse on all four figures than 3 (sessions, 1,000 requests: 97.0% vs
-  99.2%, p50/p90/p99 61/337/883 vs 48/316/771 ms): copies made at a low price add the work that
-  lengthens everyone's queue.
-- Exploit or explore (Preble's E2): the price applies when the best holder holds at least half
-  the prompt; a request whose new part outweighs its cached part (a new conversation sharing a
-  system prompt) is placed by its own TTFT.  Without this, first turns of long conversations
-  queued behind 10k tokens to save a 3k-token system prompt: conversation p90/p99 394/1341 ->
-  375/1156 ms when added (with the final session bounds 351/1127 -> 346/1070 ms, sessions p99
-  634 -> 697 ms, trace unchanged).
-- A hot prefix is replicated: when its share of the recent requests (decayed over
-  ``signal_tau_s``: sustained traffic, not one busy moment) exceeds its holders' fair share
-  (holders / n), ``behind`` is 0 for it and the plain TTFT estimate builds copies as its
-  holders queue.  Without this rule one shared document waits on its first holder (handbook,
-  1,000 requests: p99 245 ms, with it 99 ms).  The rule also covers a cold start: with little
-  traffic seen every prefix counts as hot, so copies are built while nobody queues behind them.
-- Not priced: evicting what later requests would hit.  Charging fresh prefill beyond a
-  replica's free KV space (capacity minus the index's entry count) at the fleet's recent hit
-  share gained a point on the trace but lost 1.3 on conversation and, once the session bound
-  loosened, sent sessions to whichever full replica's count dipped (sessions 96.3% vs 99.5%,
-  imbalance 1.25): in steady state every cache is full and the difference is noise.
-- Why sglang_cache_aware keeps more of the trace's reuse at some seeds (``python -m
-  kvroute.bench.reuse_loss``, which checks every decision against the engines' caches).  (a) The
-  prefix index dropped blocks the engines still held (its capacity bound let predictions evict
-  confirmed entries); bounded apart since (docs/design.md §3.3): 16 replicas, seeds 0-2, 66.3 /
-  66.3 / 69.0% -> 69.8 / 68.8 / 68.5%; no decision now leaves a holder the index forgot.
-  (b) This policy leaves a holder whose queue costs more than a copy: at 8 replicas seed 1,
-  20 requests, 7.4k blocks (1.4 points), each leaving 15-135k queued tokens for an idle
-  replica; sglang never leaves (p50/p99 437 ms/6.5 s against 98 ms/3.7 s).  Those queues are the router's count of uncached tokens sent and not yet answered, which
-  keeps a long prefill whole until its first token: measured against the engines' remaining
-  prefill at every decision (seed 1) it averages 19k tokens where the engines hold 6.2k, and
-  is never short.  Draining it at the learned prefill rate (6.1k error left, 7% of estimates
-  short) kept more reuse everywhere (trace 8 replicas seeds 0-2 +0.6 to +2.7 points, sessions
-  and conversation +0.3) but raised the trace's p50 from 97 to 126-153 ms and p99 to 4.0-5.5 s;
-  at half the rate, trace p99 4.3-4.4 s at two seeds of six and handbook at 16 replicas p99
-  37 -> 174 ms: the pricing was fitted to the overstated queue, so both would move together
-  (not done).  Raising ``queued_behind`` to 7 left the trace's mean unchanged (8 replicas seeds
-  0-5: 35.1%; 16 replicas 69.4% against 69.0%), each seed moving 1-3 points either way.
-  (c) The rest is what the fleet's caches keep: longest prefix any engine held at the
-  decisions, seed 1: 183.9k blocks against sglang's 190.9k.  Placement decides it and the
-  trace is chaotic there: pricing fresh prefill on replicas by their recent hit share moved
-  single seeds by -2 to +4 points at 8 replicas and cost 10-19 points at 16.  Over seeds the
-  gap is about a point: 8 replicas seeds 0-5, 35.1% against 35.9%; 16 replicas seeds 0-2,
-  69.0% against 70.1%.
-- ``decode_penalty`` is small on purpose.  With chunked prefill every engine step also advances
-  each running sequence by one token, so during the ``steps_r = 1 + work_r // step_token_budget``
-  steps before our first token the ``decoding_r`` running sequences add work.
-  ``decode_weight`` is one decoding sequence's cost in a step, in prompt-token equivalents: its
-  share of the dense layers (about 1.4 prompt tokens for an 8B model) plus reading its KV context
-  (about 2 prompt tokens per 1k context tokens on an H100-class part): 4 for a 1-2k context.  It
-  separates replicas whose decode load differs (a few ms: a tie-breaker next to a cache hit).
-  ``decoding_r`` is the larger of the router's in-flight count and the scraped
-  ``num_requests_running`` (other routers' requests show only in the latter).
-- ``prefill_rate`` is the *median* of the eligible replicas' learned rates (unknown ones count as
-  ``default_prefill_rate``).  The LoadTracker learns a rate from (work ahead) / TTFT; for short
-  prefills the TTFT is mostly engine step time, so identical replicas learn rates that differ by
-  tens of percent, and comparing replicas through them routes by noise.  Pass
-  ``per_replica_rates=True`` for a fleet of unlike hardware.
+- ``behind`` prices a copy: a fresh prefill also delays the requests that will queue behind it,
+  rho / (1 - rho) of them, 3 (``queued_behind``) at the 75% utilisation a fleet is run at.  So a
+  request leaves the replica holding its prefix only when that replica's queue costs more than the
+  fleet pays for a second copy.  ``behind`` is 0 (this request's TTFT alone) when the best holder
+  has less than half the prompt (explore, as Preble's E2), and for a hot prefix: one whose share of
+  recent requests (decayed over ``signal_tau_s``, ``prefix_heat.py``) exceeds its holders' fair
+  share (holders / n), so copies are built as its holders queue.
+- ``decoding_r`` running sequences (the larger of the router's in-flight count and the scraped
+  ``num_requests_running``) each cost ``decode_weight`` prompt-token equivalents in each of the
+  ``steps_r = 1 + work_r // step_token_budget`` engine steps before the first token: its share of
+  the dense layers plus reading its KV context, about 4 for a 1-2k context on an 8B model.  A
+  tie-breaker next to a cache hit.
+- ``prefill_rate`` is the median of the eligible replicas' learned rates (unknown ones count as
+  ``default_prefill_rate``): short prefills' TTFTs are mostly engine step time, so identical
+  replicas learn rates tens of percent apart.  ``per_replica_rates=True`` for unlike hardware.
+- A slow replica, whose learned rate is below the median by more than the noise of identical
+  replicas, has its cost multiplied by ``slowness`` = median / rate - ``slow_margin`` (1 when that
+  is under 1), fading over ``slow_memory_s`` once it takes no rate samples; for a request with a
+  session key every replica's cost also carries the session's expected turns left times a turn's
+  own work times ``slowness - 1``, so sessions leave it (rule 5).
+- Evicting what later requests would hit is not priced.
 
 The choice:
-1. Bounded loads, as consistent hashing with bounded loads: a replica may take the request only
-   if ``in_flight + 1 <= max(ceil((1 + epsilon) * (total_in_flight + 1) / n), bound_floor)``.
-   The least loaded replica always qualifies.  The bound is loose (epsilon = 2: three times the
-   mean) because moving a conversation off its replica costs a full prefill of its history, far
-   more than the few ms a longer decode batch adds; it stops pile-ups, not fluctuations (twice
-   the mean broke sessions whose replica held a dozen decodes: sessions 98.8% -> 99.7% at 3x,
-   p90 268 -> 263 ms).  The floor keeps it quiet at low load.
-2. New sessions (a session key never seen, or forgotten) are placed on *active* sessions per
-   replica (a session is active for ``session_idle_s`` after its last request): a replica short
-   of sessions (fewer than mean / (1 + session_epsilon); one back from a restart, which holds
-   none) takes them first; none may exceed ``ceil((1 + session_epsilon) * (total_active + 1) /
-   n)``.  A session's later turns follow it, so this is where the fleet's long-run balance is
-   decided; within the bounds the cost prefers a replica holding the shared system prompt.
-   session_epsilon = 1: the exact mean (0) ignored 12k-token system prompts (conversation:
-   84.0% -> 87.5%, p50/p90/p99 54/375/1156 -> 51/334/1022 ms; sessions unchanged).  Without
-   the floor an idle replica back from a restart got no new session while the cost preferred
-   the holders of the system prompt; with it, conversation 87.1%, 52/346/1070 ms.
-   A long held prefix is kept past the in-flight bound: when the best holder holds at least
-   ``keep_tokens`` (one engine step's budget, 8192) of the prompt, every replica holding that
-   much may take the request whatever its in-flight count.  Moving such a request recomputes at
-   least a full step of prefill (most of a second of a replica, which ``behind`` others then
-   wait for), where one more running sequence costs each step about ``decode_weight`` tokens; the
-   cost still decides among holders and non-holders, so a holder whose queue costs more than
-   the copy still loses the request.  Last 493 rows of the synthetic trace (``--time-scale 0.5
-   --no-kv-events``, 8 replicas): the bound moved 2 requests holding 42k and 66k tokens, 30% of
-   the reuse lost there; with the rule 95.0% -> 96.4% of the available reuse, p50/p90/p99
-   49 ms/1.69 s/4.94 s -> 43 ms/1.57 s/4.81 s.  The ten standard runs (four workloads, 8 and
-   16 replicas, trace seeds 0-2) are identical to the figure: none had a bound override with
-   8k tokens held.
-3. Argmin of the cost over the qualifying replicas; ties go to fewer requests in flight, then
-   rotate.  A request with no match anywhere thus goes to the least work.
-4. Starvation: bounded loads still let up to n * eps / (1 + eps) replicas sit idle next to the
-   holders of a hot prefix (no request is cheaper there).  A qualifying replica that has not been
-   chosen in the last ``starve_window * n`` decisions, while the fleet is past ``bound_floor``,
-   gets the next request, which builds the hot prefix there; from then on the estimate spreads
-   the load over all holders.
+1. Bounded loads: a replica qualifies if ``in_flight + 1 <= max(ceil((1 + epsilon) *
+   (total_in_flight + 1) / n), bound_floor)``; the least loaded always does.  When the best holder
+   holds at least ``keep_tokens`` of the prompt, every replica holding that much qualifies whatever
+   its in-flight count (moving it would recompute at least a full engine step of prefill).
+2. New sessions (a session key never seen, or forgotten) go first to qualifying replicas short of
+   active sessions (fewer than mean / (1 + session_epsilon): one back from a restart holds none),
+   else to those within ``ceil((1 + session_epsilon) * (total_active + 1) / n)``, else to any
+   qualifying one.  A session is active for ``session_idle_s`` after its last request; its later
+   turns follow it.  A slow replica is never short, and its sessions count ``slowness`` times.
+3. Argmin of the cost over the qualifying replicas; ties to fewer requests in flight, then rotate.
+4. Starvation: a qualifying replica not chosen in the last ``starve_window * n`` decisions, while
+   the bound is past ``bound_floor``, gets the next request (it builds the hot prefix there); a
+   slow replica is left alone.
 5. A slow replica (its learned rate below the median beyond noise: ``slowness``) costs its
-   slowness on this turn and, for a session, on the turns it is expected to have left; it takes
-   no new session as "short" of them and is not fed by rule 4; the verdict fades once it takes
-   no samples (docs/design.md §5.7).
-6. Session hint: if the replica that last served the request's session qualifies and its
-   cost is within ``session_ratio * best + session_slack_s``, it keeps the session (the index
-   may have lost or not yet learnt what it holds).  At most ``max_sessions`` are remembered (LRU).
+   slowness on this turn and, for a session, on the turns it is expected to have left; the verdict
+   fades once it takes no samples, so traffic probes it again.
+6. Session hint: the session's last replica keeps it while within the in-flight bound and its cost
+   is within ``session_ratio * best + session_slack_s`` (the index may not have learnt yet what it
+   holds).  At most ``max_sessions`` are remembered (LRU).
 
-``greedy_ttft`` is this policy with ``behind`` = 0, epsilon = 1 and session_epsilon = 0: the
-estimate of this request's TTFT alone, the default until the fleet was priced.
+``greedy_ttft`` is this policy with ``behind`` = 0, epsilon = 1, session_epsilon = 0 and no
+``keep_tokens``: this request's TTFT alone, the default until the fleet was priced.
 
 Reasons: "cache" (the argmin holds a prefix), "load" (the argmin holds none: least work),
 "balance" (a bound or the starvation rule overrode the unconstrained argmin), "session" (the
 hint changed the choice).
+
+The simulator runs that earned each rule and constant, and what was tried and not kept:
+docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -186,7 +118,7 @@ class CostModelPolicy(Policy):
         slow_memory_s: float = SLOW_MEMORY_S,
         seed: int = 0,
     ):
-        """Tunables (defaults in the module constants; the module docstring says why):
+        """Tunables (defaults in the module constants; why: docs/design.md §5.7, docs/experiments.md):
 
         epsilon: in-flight bound, (1 + epsilon) x the mean (2.0).
         bound_floor: in-flight count a replica may always reach (4).
