@@ -20,7 +20,7 @@ target of a round, gets a new one); and, for scale, (c) a one-line chat: the cos
 itself.  Last, the routing pipeline's stages are timed in this process (no HTTP) for (a) and (b).
 
 The reference is SGLang's router (Rust; it matches characters, no tokenizer) with its cache-aware
-policy; the README quotes the last run's figures.  CPU figures depend on the machine, so when
+policy; docs/benchmarks.md quotes the last run's figures.  CPU figures depend on the machine, so when
 ``sglang-router`` is installed (``make venv-sglang``: ``.venv-sglang``, or ``--sglang-python``) it
 runs here too, in front of the same replicas with ``--policy cache_aware``, measured in the same
 interleaved rounds: the comparison that counts is the one on one machine in one run.

@@ -3,9 +3,9 @@
 Why not aiohttp's client: every proxied request went through ``ClientSession.post`` — a
 ``ClientRequest`` and a ``ClientResponse``, multidicts for both header sets, yarl URL joins,
 timer and tracing contexts, a ``StreamReader`` and a payload writer.  Measured side by side by
-``python -m kvroute.bench.upstream_bench`` against an aiohttp server, this client spends well under half
-of aiohttp's client CPU per request, for whole answers and SSE streams alike; the README quotes the
-figures.
+``python -m kvroute.bench.upstream_bench`` against an aiohttp server, this client spends well
+under half of aiohttp's client CPU per request, for whole answers and SSE streams alike
+(docs/benchmarks.md quotes the figures).
 
 The peer is always a vLLM-compatible replica (uvicorn/h11, or aiohttp in the emulated one): one
 POST with a JSON body, answered with a whole body (``Content-Length``), an SSE stream (chunked, or

@@ -1,20 +1,13 @@
-"""One /metrics for a router run as several worker processes (``--workers N``).
+"""One /metrics for a router run as several worker processes (``--workers N``; docs/design.md §11).
 
-prometheus-client's multiprocess mode: the supervisor (router/workers.py) sets
-``PROMETHEUS_MULTIPROC_DIR`` to a directory of its own before it starts the workers, so every
-metric value a worker writes lives in a memory-mapped file there, one file per kind and process.
-Whichever worker a scrape reaches reads them all (``MultiProcessCollector``): counters and
-histograms add up, and each gauge says how its workers' values make one (``multiprocess_mode``,
-chosen where the gauge is defined).  A dead worker's counters stay (totals never go back), its
-``live*`` gauges go (the supervisor's ``mark_process_dead``).  Prometheus sees one target.
-
-What the mode cannot do, and how it is covered here:
-- values computed at scrape time (a collector, ``Gauge.set_function``) never reach the files: each
-  worker writes them every ``PUBLISH_S`` and just before it answers a scrape (``RouterMetrics.publish``);
-- a label set cannot be removed from the files: the series of a replica that left are hidden when
-  rendering instead (``REPLICA_SCOPED``: the ones single-process mode removes or computes live).
-
-Without ``PROMETHEUS_MULTIPROC_DIR`` (``--workers 1``) none of this is used.
+prometheus-client's multiprocess mode: every value a worker writes lives in a memory-mapped file
+under ``PROMETHEUS_MULTIPROC_DIR`` (set by router/workers.py), and whichever worker a scrape
+reaches reads them all: counters and histograms add up, and each gauge's ``multiprocess_mode``,
+chosen where it is defined, says how the workers' values make one.  What the mode cannot do is
+covered here: values computed at scrape time never reach the files, so each worker writes them
+every ``PUBLISH_S`` and before it answers a scrape (``RouterMetrics.publish``); a label set cannot
+be removed from the files, so a departed replica's series (``REPLICA_SCOPED``) are hidden when
+rendering.  Without ``PROMETHEUS_MULTIPROC_DIR`` (``--workers 1``) none of this is used.
 """
 
 from __future__ import annotations

@@ -1,27 +1,21 @@
-"""``kvroute router --workers N``: N router processes on one port, under a small supervisor.
+"""``kvroute router --workers N``: N router processes on one port, under a small supervisor (docs/design.md §11).
 
-Each worker is a whole router (router/main.py's ``serve_worker``, which this module is handed:
-its own event loop, fleet prober, KV-event subscribers and index client) listening on the same
-port with SO_REUSEPORT; the kernel spreads new
-connections over them by a hash of their addresses (a keep-alive connection stays with one
-worker).  The supervisor, this module:
+Each worker is a whole router (router/main.py's ``serve_worker``, which this module is handed)
+listening on the same port with SO_REUSEPORT; the kernel spreads new connections over them (a
+keep-alive connection stays with one worker).  The supervisor, this module:
 
-- gives the workers a new temporary ``PROMETHEUS_MULTIPROC_DIR`` (removed at exit), so that
-  /metrics adds up across them (router/worker_metrics.py), and deletes a dead worker's live gauges;
-- starts them (multiprocessing's spawn: fresh interpreters, nothing of this process inherited) and
-  prints one ``listening on`` line once all of them listen.  A worker that exits before it
-  listened fails the start (what stops one stops all: a port in use, a tokenizer path): exit 2;
-- starts again a worker that dies later, at once the first time, then after a delay doubling from
-  ``BACKOFF_S`` up to ``MAX_BACKOFF_S`` while it keeps dying within ``STABLE_S`` of its start;
-  each restart is logged and counted (``kvroute_router_worker_restarts_total``);
-- on SIGTERM or SIGINT passes the signal on to every worker; each drains as a single router does
-  (``drain_timeout_s``, then router/cutoff.py) and exits; the supervisor exits once all have, 0 if
-  they all stopped cleanly.  One still alive ``KILL_GRACE_S`` after the drain timeout is killed.
+- gives the workers a fresh ``PROMETHEUS_MULTIPROC_DIR`` (router/worker_metrics.py) and deletes a
+  dead worker's live gauges;
+- starts them with multiprocessing's spawn and prints one ``listening on`` line once all listen; a
+  worker that exits before it listened fails the start (exit 2);
+- starts again a worker that dies later, at once, then after a delay doubling from ``BACKOFF_S`` to
+  ``MAX_BACKOFF_S`` while it keeps dying within ``STABLE_S`` of its start (logged and counted);
+- passes SIGTERM and SIGINT on, exits once every worker has drained (0 if all stopped cleanly), and
+  kills one still alive ``KILL_GRACE_S`` after the drain timeout;
+- relays an admin drain or undrain that reached one worker to the others, and to workers started
+  later.
 
-The admin API's drain and undrain reach one worker (whichever the connection landed on): it tells
-the supervisor, which has every other worker apply them too, and a worker started later applies
-the drains made so far.  A worker whose supervisor is gone (SIGKILL, the OOM killer) sees its end of their pipe close and
-drains and exits as on SIGTERM: it never keeps the port alone.
+A worker whose supervisor is gone sees their pipe close and drains: it never keeps the port alone.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tokenizing a very long piece of text in chunks, so that it costs a few times its size.
 
 ``tokenizers`` keeps ~100 bytes per input character while it encodes (alignments per byte, the
-tokens' strings and offsets): a 4 MB piece peaks at +433 MB, a 15 MB one at +1.6 GB.  So a piece
+tokens' strings and offsets; figures in docs/experiments.md).  So a piece
 longer than 1.5 :data:`CHUNK_CHARS` is encoded in chunks, cut only where cutting changes nothing
 near the cut: at a candidate position ``p`` (preferably the end of a word, where pre-tokenizers
 split), encoding ``text[p-W:p]`` and ``text[p:p+W]`` apart must give exactly the ids of encoding

@@ -2,8 +2,8 @@
 
 glibc's malloc keeps freed memory: a buffer over its mmap threshold is mapped on its own and
 unmapped when freed, but the threshold rises to the size of each such buffer freed (up to 32 MB),
-so after one 15 MB request body the next ones come from the heap and stay there (measured: +67
-MB of RSS for good after one 15 MB chat, +1.2 GB when it was tokenized whole).  Tokenizing in the
+so after one 15 MB request body the next ones come from the heap and stay there (figures in
+docs/experiments.md).  Tokenizing in the
 pool's threads also leaves free pages in their arenas.  :func:`keep_large_buffers_mapped` fixes
 the threshold at 1 MiB; :func:`release_free_memory` (``malloc_trim(0)``) returns the free pages
 of every arena.  Elsewhere than glibc (musl, macOS) both do nothing.

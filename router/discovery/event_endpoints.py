@@ -1,15 +1,11 @@
-"""Where a replica's KV events come from, whichever source found it.
+"""Where a replica's KV events come from, whichever source found it (docs/design.md §4.7).
 
-In order: its Redis registration (what the replica's launcher says; a registration without an
-events endpoint means it publishes none), else the config file's entry for it
-(``{url, events_endpoint, replay_endpoint}``), else the convention: the host of its HTTP URL and
-the fleet's ``events_port`` / ``replay_port`` (vLLM's ``tcp://*:5557`` and a replay socket beside
-it).  An entry's endpoint left out follows the convention; an empty one means none.  A port of 0
-turns that half of the convention off.
-
-Two replicas on one host (``http://gpu1:8000``, ``http://gpu1:8001``) would get the same
-conventional endpoint, which at most one of them can own: such an endpoint is followed for
-neither (logged once), and the config file must name theirs.
+In order: its Redis registration (one without an events endpoint publishes none), else its
+config-file entry ``{url, events_endpoint, replay_endpoint}`` (an endpoint left out follows the
+convention, an empty one means none), else the convention: the host of its HTTP URL on the fleet's
+``events_port`` / ``replay_port`` (vLLM's ``tcp://*:5557`` and a replay socket beside it; a port of
+0 turns that half off).  A conventional endpoint that two replicas on one host would share is
+followed for neither (logged once): the config file must name theirs.
 """
 
 from __future__ import annotations

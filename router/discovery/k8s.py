@@ -1,20 +1,17 @@
 """Replicas from the Kubernetes API: the ready pods matching a label selector (``--fleet.k8s-selector``).
 
-Pods, not EndpointSlices: the selector names the vLLM pods themselves (as SGLang's and the vLLM
-production-stack routers do), so a fleet started by someone else's chart needs no Service, and the
-replica port is read from the pod's named container port.  A pod is a replica while it is Running,
-its Ready condition is True, it has an IP and no deletionTimestamp (a terminating pod is leaving).
-Its URL is ``http://<podIP>:<port named port_name>``, else the fallback port.
+Pods, not EndpointSlices (docs/design.md §7.3): the selector names the vLLM pods themselves (as
+SGLang's and the vLLM production-stack routers do), so a fleet started by someone else's chart
+needs no Service.  A pod is a replica while it is Running, Ready, has an IP and no
+deletionTimestamp; its URL is ``http://<podIP>:<port named port_name>``, else the fallback port.
 
-One background task keeps the listing: a full list (paginated) gives the state and a
-resourceVersion, then a watch from there applies ADDED/MODIFIED/DELETED and follows BOOKMARKs.  A
-watch that ends at its timeout resumes from the last resourceVersion; a 410 Gone (the version was
-compacted) lists again; any other failure is logged, counted, and retried with capped exponential
-backoff (then a full list), the last listing kept meanwhile, as every source does.  The fleet reads
-the listing every health interval.
+One background task keeps the listing: a paginated list, then a watch from its resourceVersion
+(ADDED/MODIFIED/DELETED, BOOKMARKs).  A watch that times out resumes; a 410 Gone lists again; any
+other failure is logged, counted and retried with capped exponential backoff (then a full list),
+the last listing kept meanwhile.  The fleet reads the listing every health interval.
 
-kubernetes_asyncio (on aiohttp, like the router) is the optional extra ``k8s``; it is imported
-only when this source is used.
+kubernetes_asyncio (on aiohttp, like the router) is the optional extra ``k8s``, imported only when
+this source is used.
 """
 
 from __future__ import annotations

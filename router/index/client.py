@@ -1,34 +1,23 @@
-"""The one way the router talks to its prefix index (after llm-d's instrumented index).
+"""The one way the router talks to its prefix index (after llm-d's instrumented index; docs/design.md §3.6).
 
 Every caller (routing, the fleet, the KV-event streams, the metrics endpoint) goes through an
-``IndexClient``, which gives every call of a shared (Redis) backend:
-
-- a budget: a lookup waits at most ``timeout_s``; other calls at most ``write_timeout_s``;
-- a verdict: a failure is counted in ``kvroute_index_errors_total{op, kind}`` (timeout,
-  connection, error) and never raised; after ``SKIP_AFTER_FAILURES`` failures in a row, calls
-  skip the index (kind ``unavailable``) until the refresh, every ``refresh_s``, gets an answer
-  (in a client nobody started, one call every ``refresh_s`` probes instead), so a frozen Redis
-  costs the first few requests one lookup budget each and the others nothing;
-- writes behind the answer: ``record_prediction`` only queues the write (bounded; a full queue
-  drops it, counted as ``dropped``) and a few writer tasks send it, so a request never waits for
-  it.  It is queued at routing time and sent within an event-loop turn, before the upstream
-  request is even connected, so it lands in Redis well before the answer (one Redis round trip,
-  a fraction of a millisecond) and a client's next request, on any router, finds it;
-- a rebuild: every ``refresh_s`` the client renews the keys of the replicas it registered and
-  reads the store's epoch (``PrefixIndex.refresh``).  An epoch other than the one it knew means
-  Redis restarted empty or was flushed: it registers its replicas again, counts
-  ``kvroute_index_rebuilds_total`` and calls its ``on_rebuild`` listeners (the KV-event streams
-  replay what the replicas buffer).  A write that finds its replica unregistered asks for that
-  check at once.
+``IndexClient``.  Each call of a shared (Redis) backend gets a budget (``timeout_s`` for a lookup,
+``write_timeout_s`` for the rest) and a verdict: a failure is counted in
+``kvroute_index_errors_total{op, kind}``, never raised, and after ``SKIP_AFTER_FAILURES`` in a row
+calls skip the index until the refresh gets an answer (in a client nobody started, one call every
+``refresh_s`` probes instead).  ``record_prediction`` only queues its write (bounded; a full queue
+drops it, counted) for a few writer tasks, so a request never waits for it.  Every ``refresh_s``
+the client renews its replicas' keys and reads the store's epoch; another epoch means Redis lost
+its state: it registers its replicas again, counts ``kvroute_index_rebuilds_total`` and calls its
+``on_rebuild`` listeners (the KV-event streams replay), and a write that finds its replica unregistered asks for that check at once.
 
 A ``MemoryIndex`` is called directly and synchronously (no budget, no task, no timing): it never
-waits on I/O, so the in-process path costs what the index itself costs.
+waits on I/O.
 
 The other writes (the fleet's registrations, the KV-event streams' confirm / remove / clear) are
-awaited by their callers, within ``write_timeout_s``, and answer whether they landed: none runs on
-a request's path, and each caller needs the verdict.  A KV-event stream is itself a background
-writer per replica: its writes must land in order, and one that fails makes it resync from the
-replica's replay buffer, which a write dropped silently from a queue could not.
+awaited by their callers within ``write_timeout_s``: none runs on a request's path, and each caller
+needs the verdict.  A KV-event stream's writes must land in order, and one that fails makes it
+resync from the replica's replay buffer, which a write dropped silently from a queue could not.
 """
 
 from __future__ import annotations

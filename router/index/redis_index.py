@@ -1,26 +1,11 @@
-"""Redis prefix index, shared by several routers: same semantics as ``MemoryIndex``.
+"""Redis prefix index, shared by several routers: same semantics as ``MemoryIndex`` (docs/design.md §3).
 
-Layout.  ``P`` is ``<key_prefix>:{<scheme>}`` (or ``{<scheme>/<shard>}``); a block hash is its
-8 bytes little-endian, so a chain travels as one binary string and a member costs 8 bytes.
-
-    P:cap         HASH  replica -> capacity in blocks      (the registry, shared by all routers)
-    P:ev          HASH  replica -> 1 if it publishes KV events, else 0
-    P:seq         counter giving LRU touch stamps
-    P:l:<name>    ZSET  hash -> touch stamp: every entry of the replica, the LRU order
-    P:c:<name>    SET   confirmed entries
-    P:p:<name>    SET   predictions that never expire (the replica publishes no events)
-    P:x:<name>    ZSET  hash -> expiry in ms (Redis TIME): predictions that expire
-    P:t:<name>    SET   the same members as ``x``
-    P:epoch       STRING a token the first router to find none sets (see ``refresh``)
-
-An entry is in ``l`` and in exactly one of ``c``, ``p``, ``x`` (``t`` mirrors ``x``).
-
-Lifetime.  Every key lives ``key_ttl_s`` (default 10 minutes) past the last write or ``refresh``
-naming it; a live router refreshes the keys of the replicas it knows about every second or so
-(router/index/client.py), so only a fleet of routers that has gone, or a replica no router knows
-any more, lets keys expire.  A Redis restarted empty or flushed has no epoch: the next refresh
-sets a new one, and each router, seeing an epoch other than the one it knew, re-registers its
-replicas (the KV-event streams replay what the replicas still buffer).
+Keys (docs/design.md §3.5): under ``P`` = ``<key_prefix>:{<scheme>}`` (or ``{<scheme>/<shard>}``),
+per replica ``l`` (every entry, the LRU order) and exactly one of ``c`` (confirmed), ``p``
+(predictions that never expire) and ``x`` (predictions that expire; ``t`` mirrors its members);
+shared ``cap``, ``ev``, ``seq`` and ``epoch``.  A block hash is its 8 bytes little-endian, so a chain
+travels as one binary string.  Every key lives ``key_ttl_s`` past the last write or ``refresh``
+naming it, and the epoch tells a router that Redis lost its state (§3.6).
 
 Per-replica keys rather than one hash per block: a lookup asks each replica about a whole slice
 of the chain in one command (galloping 32, 128, 512, 1024 blocks) and stops at its first miss,
@@ -29,25 +14,17 @@ sets (SMISMEMBER answers integers); ZMSCORE formats a double per member, about t
 cost, so it is read only while an expired prediction still awaits its purge.  No state sits in a
 hash: Redis keeps hashes of up to 512 fields as listpacks, where each field lookup is a scan.
 
-Every operation is one Lua script (EVALSHA), so one round trip; the scripts are lua/*.lua beside
-this module (package data, joined into each script's text at import).  The clock is Redis's TIME,
-so routers need no synchronised clocks.  Expired predictions are purged at the start of every write
-script on that replica, so they never take capacity from live entries.  Predictions and confirmed
-entries are bounded apart (each at the capacity, least recently touched first, found in ``l``
-a page at a time), so a prediction never evicts a confirmed entry.
+Every operation is one Lua script (EVALSHA), so one round trip, timed by Redis's TIME; the scripts
+are lua/*.lua beside this module (package data, joined into each script's text at import).  Each
+write script first purges the replica's expired predictions; predictions and confirmed entries are
+bounded apart, victims found in ``l`` a page at a time (§3.3).
 
-Cluster.  All keys of one index share one hash tag, the scheme (plus an optional ``shard`` name),
-so every script runs on one shard.  The scripts declare the registry key and derive the others
-from it; that works on Redis Cluster and Valkey because all keys hash to the same slot, but a
-proxy that insists on declared keys only would reject it.  The limit is one shard's memory:
-``bench/index_bench.py`` measures about 160 bytes per confirmed or never-expiring entry and 260
-per expiring prediction (Redis 7.0; predictions are short-lived on replicas with events), so a
-25 GB shard holds some 150 M entries, e.g. 64 replicas of 2.4 M blocks each (38 M tokens each
-at 16 tokens a block, far above one GPU's KV cache).  CPU bounds it too: the same bench times a
-512-block write that also evicts 512 entries, a renewal and a 512-block lookup over 8 holders
-(the README quotes them), which bound the requests/s one shard serves.  Beyond that, run one index
-per model (``shard=model``), which puts each model on its own slot; a chain never spans models
-since the namespace seeds it.  Needs Redis >= 6.2 (or Valkey).
+All keys of one index share one hash tag, so every script runs on one Redis Cluster shard.  The
+scripts declare the registry key and derive the others from it: that works on Redis Cluster and
+Valkey because all keys hash to the same slot, but a proxy that insists on declared keys only would
+reject it.  One shard's memory and CPU bound the index (``python -m kvroute.bench.index_bench``;
+sizing: docs/experiments.md); beyond that, one index per model (``shard=model``).  Needs Redis >=
+6.2 (or Valkey).
 """
 
 from __future__ import annotations

@@ -1,37 +1,21 @@
-"""One replica's KV-event stream: the socket loop that follows a publisher, with the rules below.
+"""One replica's KV-event stream: the socket loop that follows a publisher (docs/design.md §4).
 
-Sequence rules (``seq`` counts from 0 in each publisher process):
-- the next seq expected: apply it;
-- a seq already applied (a replay overlapped the live stream): skip it, unless its payload
-  differs from what was applied under that seq, which means another process: a restart;
-- a live seq not above the previous *live* one: a new publisher process, so the replica
-  restarted: ``clear_replica``, forget its hash map, replay the new process's history from 0;
-- a seq beyond the next: a gap.  With a replay endpoint, ask for the missing batches, starting
-  one before the gap so that the first reply proves it comes from the same process (its payload
-  digest must match the one applied); without one, ``drop_confirmed`` and relearn.
-- first contact (a new router, a router restart, the replica (re)joining): replay everything the
-  replica still buffers, after ``drop_confirmed``, so the index holds what this history says and
-  nothing a previous process or a missed removal left behind.
-- a connection (the first one, or a reconnection): a SUB socket's subscription reaches the PUB a
-  moment after it connects (ZMQ's slow joiner), and the PUB drops what it publishes meanwhile.  A
-  later batch would reveal that gap, but if none comes (a replica gone quiet), the index would miss
-  those blocks for good.  So ``settle_s`` after each connection, the stream asks the replay
-  endpoint for anything after its last batch: one round trip, usually answered "nothing".
-- a stream gone quiet: a batch the PUB dropped on a full queue is a gap only once a later one
-  arrives.  So ``idle_check_s`` after the last live batch the stream asks the same once more
-  (a replica under steady traffic is never asked; one that falls silent, once).  These checks
-  count as ``checks``, not replays, unless they find something.
-- a reconnection of the SUB socket (the publisher went away and came back) is checked the same
-  way as a gap: the publisher may be a new process whose seq happens to continue ours.
-- an endpoint nobody publishes on (found by convention, say): ``liveness.py`` calls the stream
-  silent after a while; ZMQ keeps retrying the connection with backoff, and a replay endpoint that
-  does not answer is logged once until it does.
+Each live batch is applied as ``sequence.py`` classifies it (§4.2).  A gap is filled from the
+replay endpoint, asked from one batch before it so the first reply proves the same process, or
+else ``drop_confirmed`` and relearn (§4.3); a restart clears the replica, forgets its hash map and
+replays the new process from 0 (§4.4); first contact drops confirmed entries and replays what the
+replica buffers (§4.3).  ``settle_s`` after each connection, and ``idle_check_s`` after the last
+live batch, the stream asks the replay endpoint for anything newer (ZMQ's slow joiner, a batch
+dropped on a full queue: §4.5); these count as ``checks``, not replays, unless they find something.
+A reconnection of the SUB socket is checked like a gap: the publisher may be a new process whose
+seq happens to continue ours.  An endpoint nobody publishes on is called silent by
+``liveness.py`` (§4.8) while ZMQ keeps retrying; a replay endpoint that does not answer is logged
+once until it does.  When the index fails, writes stop until it answers; then the stream resyncs
+(``drop_confirmed`` and a replay from 0, §7.4), since the writes in between are lost.
 
 The pieces: ``sequence.py`` tells what a batch is (apply, applied, gap, changed), ``replay.py``
 fetches a replica's buffered batches, ``index_writer.py`` coalesces and writes what the batches
-say; this module is the socket loop that drives them.  When the index fails, writes stop until it
-answers again; then the stream resyncs (``drop_confirmed`` and a replay from 0), since the writes
-in between are lost.
+say; this module is the socket loop that drives them.
 """
 
 from __future__ import annotations

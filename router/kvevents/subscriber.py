@@ -8,15 +8,11 @@ state)`` hears whether each followed replica's events come ("pending", "followin
 router/kvevents/liveness.py), which the fleet turns into the index's event mode.
 
 Several routers sharing one Redis index each subscribe to every replica and apply the same
-events: every write is idempotent (``confirm`` sets state and bumps the LRU stamp, ``remove``
-and ``clear_replica`` delete, ``drop_confirmed`` deletes), so the second application of an
-event changes nothing a lookup sees.  Routers do not coordinate: one that lags another may
-re-confirm a block the other already removed, until its own copy of the BlockRemoved arrives,
-i.e. for at most the lag difference between the two (milliseconds on one network).  One elected
-writer per replica would close that window at the price of a lease, a failover and a writer that
-every other router depends on; idempotent writes were chosen as the simpler, failure-free way.
-A router that starts (first contact) drops the replica's confirmed entries and replays its
-history: for a moment every router sees fewer confirmed blocks, not stale ones.
+events, uncoordinated: every write is idempotent (``confirm`` sets state and bumps the LRU stamp,
+``remove``, ``clear_replica`` and ``drop_confirmed`` delete), so a second application changes
+nothing a lookup sees (docs/design.md §4.6 says why not one elected writer).  A router that
+starts (first contact) drops the replica's confirmed entries and replays its history: for a
+moment every router sees fewer confirmed blocks, not stale ones.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """From a replica's KV events to the router's own block hashes (docs/design.md §2.3).
 
-The router never reproduces vLLM's hash: a BlockStored carries each block's tokens and its
-parent's engine hash, so the router hashes the tokens itself, chained from the parent's *router*
-hash, which it looked up in a per-replica map engine hash → router hash.  A chain's first block
-(no parent) starts from the namespace seed: the replica's model, the event's LoRA name, and the
-``cache_salt`` vLLM lists in that block's ``extra_keys``.  Parents arrive before children, so
-every block of a chain the router can match finds its parent in the map.
+The router hashes each stored block's tokens itself, chained from its parent's *router* hash,
+found in a per-replica map engine hash → router hash; a chain's first block starts from the
+namespace seed (the replica's model, the event's LoRA name, the ``cache_salt`` in ``extra_keys``).
 
-What cannot be matched is skipped and counted rather than confirmed under a wrong hash:
+What cannot be matched is skipped and counted (``kvroute_kv_events_skipped_total{reason}``) rather
+than confirmed under a wrong hash:
 - ``block_size``: the engine's block size is not the one the router hashes this model with;
 - ``token_count``: the tokens do not fill the blocks (vLLM sends ``[]`` in some snapshots);
 - ``unknown_parent``: the parent was never seen (history lost, or it was skipped itself);
