@@ -1,4 +1,4 @@
-"""The physical limit of TTFT: what no router can beat.
+"""The physical limit of TTFT: what no router can beat (docs/design.md §8).
 
 For each request: its TTFT alone on an idle replica whose prefix cache is infinite and shared by
 the whole fleet.  Only the never-seen part of its prompt prefills: the leading full blocks that

@@ -1,4 +1,4 @@
-"""Fleet simulator: the real routing code against N emulated engines, in virtual time.
+"""Fleet simulator: the real routing code against N emulated engines, in virtual time (docs/design.md §1).
 
 Per request the router side runs exactly what the router service runs: block-chain hashing
 (`kvroute.common.blocks`), one prefix-index lookup (`MemoryIndex` on a virtual clock), the policy's

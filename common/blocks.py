@@ -1,4 +1,4 @@
-"""Block-chain hashing: token ids -> one hash per full block.
+"""Block-chain hashing: token ids -> one hash per full block (docs/design.md §2.1).
 
 h_0 is the namespace seed (scheme, model, LoRA adapter, cache_salt); block i hashes its tokens as
 uint32 little-endian with xxh3-64 seeded by h_{i-1}.  A prefix of the prompt is therefore the

@@ -1,4 +1,4 @@
-"""The OpenAI Responses API (``POST /v1/responses``), routed as a chat.
+"""The OpenAI Responses API (``POST /v1/responses``), routed as a chat (docs/design.md §1).
 
 vLLM serves ``/v1/responses`` itself by turning the request into chat messages and rendering them
 with the model's chat template, as for ``/v1/chat/completions``; the router renders the same

@@ -1,4 +1,4 @@
-"""Per-replica circuit breaker.
+"""Per-replica circuit breaker (docs/design.md §7.3).
 
 closed --(N consecutive failures)--> open --(cooldown)--> half_open --(trial succeeds)--> closed
                                        ^                       |

@@ -1,4 +1,5 @@
-"""The router's view of its replicas: where they come from, whether they are up, how loaded.
+"""The router's view of its replicas: where they come from, whether they are up, how loaded
+(docs/design.md §7.3).
 
 Discovery merges the listings of its sources (``kvroute.router.discovery``: a static list, Redis
 registrations, a DNS name, Kubernetes pods by label selector), any of which may be combined.

@@ -1,4 +1,4 @@
-"""The routing sequence, one code path for the router and the fleet simulator alike.
+"""The routing sequence, one code path for the router and the fleet simulator alike (docs/design.md §1).
 
 lookup (which replica holds how much of the chain) -> choose (the policy, over a snapshot of the
 eligible replicas) -> record (the chosen replica is predicted to hold the chain) -> load (its

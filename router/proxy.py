@@ -1,12 +1,10 @@
 """Forwarding to replicas: timeouts, retries before the first byte, SSE relayed chunk by chunk.
 
-A request is *committed* once the router has written its first byte to the client.  Until then
-any failure (refused connection, timeout, a 5xx, a stream that dies before its first event, a
-non-streamed body cut short) is retried on the next-best replica, up to the configured attempts;
-after that, a stream is ended with an OpenAI error event and ``[DONE]``, as vLLM itself does.
-For a stream the router therefore waits for the first upstream event before sending headers: it
-costs nothing (the client waits for that event anyway) and it makes a replica that accepts the
-connection and then dies retryable.
+A request is *committed* once the router has written its first byte to the client: before that a
+failure is retried on the next-best replica, after it a stream ends with an OpenAI error event and
+``[DONE]`` (docs/design.md §7.1-7.2).  So for a stream the router waits for the first upstream
+event before sending headers, which makes a replica that accepts the connection and then dies
+retryable.
 
 Requests to replicas go through ``UpstreamPool`` (``upstream.py``), a lean keep-alive HTTP/1.1
 client for this one kind of call (aiohttp's client cost several times more CPU per request).

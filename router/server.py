@@ -1,4 +1,5 @@
-"""The router's HTTP server: aiohttp's, with the client-side limits a public proxy needs.
+"""The router's HTTP server: aiohttp's, with the client-side limits a public proxy needs
+(docs/design.md §7.5).
 
 aiohttp's server has a keep-alive timeout but none on reading a request's head or body, so a
 client that sends its headers (slowloris) or its body a byte at a time holds a connection, and a

@@ -1,4 +1,4 @@
-"""The prefix index: which replica holds which block of a chain.
+"""The prefix index: which replica holds which block of a chain (docs/design.md §3).
 
 An entry (block hash, replica) is either *predicted* (the router sent that prompt there) or
 *confirmed* (the engine's KV events said it stored the block).  A predicted entry on a replica that

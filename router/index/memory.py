@@ -1,4 +1,4 @@
-"""In-memory prefix index, for a single router (and the simulator, on a virtual clock).
+"""In-memory prefix index, for a single router (and the simulator, on a virtual clock) (docs/design.md §3.4).
 
 Each replica keeps one ordered map, block hash -> expiry, least recently used first: it is the
 LRU and the entry store at once, so a write touches one dict per block.

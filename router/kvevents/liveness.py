@@ -1,4 +1,4 @@
-"""Whether a replica's KV events are heard: the verdict that decides how it is routed.
+"""Whether a replica's KV events are heard: the verdict that decides how it is routed (docs/design.md §4.8).
 
 A stream is "pending" from its start, "following" once a live batch or a replay answer came, and
 "silent" when neither came within ``silent_after_s`` (an endpoint found by convention on a

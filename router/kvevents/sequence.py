@@ -3,7 +3,8 @@
 vLLM numbers its batches from 0 in each process.  The stream asks this tracker what a batch is:
 the next one (apply it), one applied already (a replay overlapping the live socket: skip it),
 one past a gap (replay what is missing), or proof of a new process (its numbering went back, or
-a number came again with other contents: the replica restarted and its cache is empty).
+a number came again with other contents: the replica restarted and its cache is empty):
+docs/design.md §4.2.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""vLLM's KV-event wire format, decoded with msgspec (``vllm/distributed/kv_events.py``).
+"""vLLM's KV-event wire format (docs/design.md §4.1), decoded with msgspec
+(``vllm/distributed/kv_events.py``).
 
 Live frames: ``(topic, seq as 8-byte big-endian, msgpack EventBatch)``.  Replay replies, as a
 DEALER sees them: ``[b"", seq, payload]`` (vLLM) or ``[b"", topic, seq, payload]`` (vLLM since

@@ -1,4 +1,4 @@
-"""The routing-policy interface shared by the router service and the fleet simulator.
+"""The routing-policy interface shared by the router service and the fleet simulator (docs/design.md §5.1).
 
 A policy sees one request (its block chain, the index's matches, a session key, the prompt text
 for character-matching baselines) and the current state of every eligible replica, and picks one.

@@ -1,4 +1,4 @@
-"""Consistent hashing with bounded loads (CHWBL), as KubeAI's ``PrefixHash`` strategy.
+"""Consistent hashing with bounded loads (CHWBL), as KubeAI's ``PrefixHash`` strategy (docs/design.md §5.5).
 
 What KubeAI does (``internal/loadbalancer/balance_chwbl.go``, ``group.go``, ``api/k8s/v1``):
 - Each endpoint sits on a hash ring ``replication`` times (default 256): the point of copy ``i``

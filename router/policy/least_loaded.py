@@ -1,4 +1,4 @@
-"""Least-loaded: fewest requests in flight.
+"""Least-loaded: fewest requests in flight (docs/design.md §5.3).
 
 As KubeAI's ``LeastLoad`` strategy (``internal/loadbalancer/balance_least_load.go``): the endpoint
 with the lowest router-tracked in-flight count wins.  KubeAI scans a Go map, whose iteration order

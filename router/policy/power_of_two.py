@@ -1,4 +1,4 @@
-"""Power of two choices: two distinct random replicas, the less loaded one wins.
+"""Power of two choices: two distinct random replicas, the less loaded one wins (docs/design.md §5.4).
 
 As sglang-router 0.3.2 (``policies/power_of_two.rs``): ``i1`` uniform over the healthy workers,
 ``i2 = (i1 + 1 + uniform(0..n-1)) % n`` so the two always differ; ``i1`` wins ties

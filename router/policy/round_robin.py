@@ -1,4 +1,4 @@
-"""Round-robin: the control baseline.
+"""Round-robin: the control baseline (docs/design.md §5.2).
 
 As sglang-router 0.3.2 (``policies/round_robin.rs``): one counter shared by all requests, the
 pick is ``counter % len(healthy workers)``, the counter advances on every request.  Cycling is
