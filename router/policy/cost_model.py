@@ -16,8 +16,9 @@ For each eligible replica r holding m_r leading blocks of a P-token prompt:
 - ``decoding_r`` running sequences (the larger of the router's in-flight count and the scraped
   ``num_requests_running``) each cost ``decode_weight`` prompt-token equivalents in each of the
   ``steps_r = 1 + work_r // step_token_budget`` engine steps before the first token: its share of
-  the dense layers plus reading its KV context, about 4 for a 1-2k context on an 8B model.  A
-  tie-breaker next to a cache hit.
+  the dense layers (about 1.4 prompt tokens for an 8B model) plus reading its KV context (about 2
+  per 1k context tokens on an H100-class part): 4 for a 1-2k context.  A tie-breaker next to a
+  cache hit.
 - ``prefill_rate`` is the median of the eligible replicas' learned rates (unknown ones count as
   ``default_prefill_rate``): short prefills' TTFTs are mostly engine step time, so identical
   replicas learn rates tens of percent apart.  ``per_replica_rates=True`` for unlike hardware.
