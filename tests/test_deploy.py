@@ -134,6 +134,16 @@ def test_compose_grafana_needs_a_password_and_admits_no_anonymous_viewer(compose
     assert not any(key.startswith("GF_AUTH_ANONYMOUS_ORG") for key in grafana)
 
 
+def test_compose_builds_kvroutes_images_and_never_pulls_them(compose):
+    """No kvroute image is published: a service with a build section builds it, whatever its tag
+    names, and the emulated replicas run the routers' image so built."""
+    services = compose["gpu"]["services"] | compose["emulated"]["services"]
+    built = {name for name, s in services.items() if "build" in s}
+    assert built == {"router-1", "router-2", "replica-gpu-0", "replica-gpu-1"}
+    assert all(services[name]["pull_policy"] == "build" for name in built)
+    assert services["replica-emulated"]["image"] == services["router-1"]["image"]
+
+
 def test_compose_prometheus_has_no_lifecycle_api(compose):
     command = compose[None]["services"]["prometheus"]["command"]
     assert command[0].startswith("--config.file=")
@@ -270,9 +280,20 @@ def test_the_router_image_builds_its_tokenizer_with_a_real_module(tmp_path):
 # Helm chart
 
 
+# kvroute publishes no image, so the chart has none by default: every render and lint below names
+# the images (as an install must) through this file first; values given after it override it.
+IMAGES = REPO / "tests" / "assets" / "helm-images.yaml"
+
+
+def helm(command: str, *args: str, chart: Path = CHART) -> list[str]:
+    """argv of `helm template rel CHART` or `helm lint --strict CHART` with the images' values."""
+    head = ["template", "rel"] if command == "template" else ["lint", "--strict"]
+    return [tool("helm"), *head, str(chart), "-f", str(IMAGES), *args]
+
+
 def helm_template(*sets: str, namespace: str = "llm", chart: Path = CHART, show_only: str | None = None,
                   values: Path | None = None) -> list[dict]:
-    args = [tool("helm"), "template", "rel", str(chart), "--namespace", namespace]
+    args = helm("template", "--namespace", namespace, chart=chart)
     if values:
         args += ["-f", str(values)]
     for s in sets:
@@ -303,7 +324,7 @@ FULL = ("router.autoscaling.enabled=true", "router.autoscaling.targetInFlightPer
 @pytest.mark.parametrize("values", [(), ("replica.engine=emulated",), FULL,
                                     ("redis.enabled=false", "redis.externalUrl=rediss://cache:6380/0")])
 def test_helm_lint_passes(values):
-    args = [tool("helm"), "lint", "--strict", str(CHART)]
+    args = helm("lint")
     for s in values:
         args += ["--set", s]
     assert "0 chart(s) failed" in run(*args)
@@ -352,7 +373,7 @@ def test_chart_kubernetes_discovery_renders_rbac_and_the_router_settings(monkeyp
 
     values = ("router.discovery.k8s.selector=app=vllm\\,model=qwen", "router.discovery.k8s.namespace=gpu",
               "router.discovery.k8s.portName=openai", "router.discovery.k8s.port=8080")
-    assert "0 chart(s) failed" in run(tool("helm"), "lint", "--strict", str(CHART), *(a for v in values for a in ("--set", v)))
+    assert "0 chart(s) failed" in run(*helm("lint"), *(a for v in values for a in ("--set", v)))
     kinds = by_kind(helm_template(*values))
     (router,) = [d for d in kinds["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router"]
     pod = router["spec"]["template"]["spec"]
@@ -483,7 +504,7 @@ def test_chart_alerts_link_the_runbook_and_watch_the_router_job():
 
 def test_chart_rejects_bad_values():
     for values in (["replica.engine=tgi"], ["auth.tenantIsolation=true"]):
-        args = [tool("helm"), "template", "rel", str(CHART)]
+        args = helm("template")
         for s in values:
             args += ["--set", s]
         out = subprocess.run(args, capture_output=True, text=True, timeout=120)
@@ -507,6 +528,37 @@ def test_chart_notes_render(tmp_path):
     text = chart_notes(tmp_path, "metrics.serviceMonitor.enabled=true")
     assert "port-forward svc/rel-kvroute-router 8000:8000" in text
     assert "rel-kvroute-replica.llm.svc.cluster.local:8000" in text and "ServiceMonitors" in text
+
+
+def test_chart_has_no_default_image_and_says_how_to_get_one(tmp_path):
+    """kvroute publishes no image: without router.image.repository (and, for vLLM replicas,
+    replica.image.repository) lint and template fail and say to build and push one; with them the
+    pods run those images and NOTES.txt names them."""
+    for sets, missing in [((), "router.image.repository"),
+                          (("router.image.repository=r.example/kvroute-router",), "replica.image.repository")]:
+        message = f"{missing} is not set: kvroute publishes no image; build deploy/Dockerfile."
+        out = subprocess.run([tool("helm"), "template", "rel", str(CHART), *(a for s in sets for a in ("--set", s))],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and message in out.stderr, sets
+        # lint treats `required` as information (charts lint without their required values), and says it
+        lint = subprocess.run([tool("helm"), "lint", "--strict", str(CHART), *(a for s in sets for a in ("--set", s))],
+                              capture_output=True, text=True, timeout=120)
+        assert lint.returncode == 0 and f"Missing required value: {message}" in lint.stderr
+    # emulated replicas and bring-your-own vLLM need the router's image only
+    for sets in (("replica.engine=emulated",), ("replica.enabled=false", "router.discovery.replicas={http://v:8000}")):
+        args = [tool("helm"), "template", "rel", str(CHART), "--set", "router.image.repository=r.example/kvroute-router"]
+        run(*args, *(a for s in sets for a in ("--set", s)))
+    kinds = by_kind(helm_template("router.image.tag=1.2.3", "replica.image.repository=r.example:5000/team/replica"))
+    assert router_of(kinds)["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        "registry.example.com/kvroute-router:1.2.3"
+    assert kinds["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]["image"] == "r.example:5000/team/replica:0.1.0"
+    notes = chart_notes(tmp_path)
+    assert "kvroute publishes none" in notes and "router:  registry.example.com/kvroute-router:0.1.0" in notes
+    assert "replica: registry.example.com/kvroute-replica:0.1.0" in notes
+    for bad in ("router.image.repository=kvroute/router:latest", "router.image.repository=Kvroute",
+                "router.image.tag=a b"):  # a tag in the repository, upper case, a space
+        out = subprocess.run(helm("template", "--set", bad), capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "schema" in out.stderr, bad
 
 
 def test_chart_notes_say_whether_and_how_routers_follow_kv_events(tmp_path):
@@ -549,17 +601,17 @@ def test_there_are_bad_values_to_refuse_and_good_ones_to_pass():
 
 @pytest.mark.parametrize("path", CI_VALUES.values(), ids=list(CI_VALUES))
 def test_helm_lint_passes_the_ci_values(path):
-    assert "0 chart(s) failed" in run(tool("helm"), "lint", "--strict", str(CHART), "-f", str(path))
+    assert "0 chart(s) failed" in run(*helm("lint", "-f", str(path)))
 
 
 @pytest.mark.parametrize("path", BAD_VALUES, ids=[p.stem for p in BAD_VALUES])
 def test_helm_refuses_bad_values(path):
     expected = expectations(path)
-    lint = subprocess.run([tool("helm"), "lint", "--strict", str(CHART), "-f", str(path)],
+    lint = subprocess.run(helm("lint", "-f", str(path)),
                           capture_output=True, text=True, timeout=120)
     assert lint.returncode != 0 and "1 chart(s) failed" in lint.stdout + lint.stderr, lint.stdout
     assert expected["expect"] in lint.stdout + lint.stderr
-    render = [tool("helm"), "template", "rel", str(CHART), "-f", str(path)]
+    render = helm("template", "-f", str(path))
     out = subprocess.run(render, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and expected["expect"] in out.stderr
     if "template" in expected:  # the templates guard the rule too, for whoever skips the schema
@@ -864,7 +916,7 @@ def test_rendered_manifests_validate_against_the_kubernetes_api_schemas(name, tm
     strict: an unknown field is an error) of the oldest Kubernetes the chart supports (Chart.yaml's
     kubeVersion) and of the newest the checker knows.  CRDs (ServiceMonitor, PrometheusRule) have
     no schema there and are only warned about."""
-    args = [tool("helm"), "template", "rel", str(CHART), "--namespace", "llm"]
+    args = helm("template", "--namespace", "llm")
     manifests = tmp_path / "manifests.yaml"
     manifests.write_text(run(*args, *(["-f", str(CI_VALUES[name])] if name else [])))
     oldest = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"].removeprefix(">=").removesuffix("-0")
@@ -874,7 +926,7 @@ def test_rendered_manifests_validate_against_the_kubernetes_api_schemas(name, tm
 
 def test_the_kubernetes_schema_check_refuses_a_misplaced_field(tmp_path):
     """The check above can fail: a field the API does not have, in a rendered StatefulSet."""
-    rendered = run(tool("helm"), "template", "rel", str(CHART), "--set", "replica.runtimeClassName=nvidia")
+    rendered = run(*helm("template", "--set", "replica.runtimeClassName=nvidia"))
     broken = tmp_path / "broken.yaml"
     broken.write_text(rendered.replace("runtimeClassName:", "runtimeClass:"))
     out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", str(broken)],

@@ -29,7 +29,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # package -> its folder in the repository (kvroute.router -> router)
 PACKAGE_DIRS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-SOURCES = ("pyproject.toml", "README.md", *PACKAGE_DIRS.values())
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", *PACKAGE_DIRS.values())
 WHEEL_VERSION = metadata.version("kvroute") + "+wheel.test"
 
 
@@ -39,6 +39,7 @@ class Installed:
     cwd: Path  # outside the repository
     env: dict[str, str]
     record: list[str]  # the files the wheel installed (its RECORD), relative to site-packages
+    wheel: Path
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(self.venv / "bin" / args[0]), *args[1:]], capture_output=True, text=True,
@@ -84,7 +85,7 @@ def installed(tmp_path_factory) -> Installed:
     cwd = tmp / "elsewhere"
     cwd.mkdir()
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return Installed(venv, cwd, env, record)
+    return Installed(venv, cwd, env, record, wheel)
 
 
 def test_the_installed_package_is_imported_not_the_checkout(installed):
@@ -163,3 +164,28 @@ def test_plot_without_matplotlib_says_how_to_install_it(installed, tmp_path):
     assert done.returncode != 0
     assert "kvroute sim --plot needs matplotlib" in done.stderr and "kvroute[plot]" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "x.png").exists()
+
+
+def test_the_wheel_carries_the_licence_and_its_metadata(installed):
+    """PEP 639: the licence as an SPDX expression and its file in the wheel (vLLM's licence,
+    Apache-2.0, the standard text); classifiers that PyPI accepts (trove-classifiers' list)."""
+    import zipfile
+    from email.parser import HeaderParser
+
+    import trove_classifiers
+
+    with zipfile.ZipFile(installed.wheel) as whl:
+        names = whl.namelist()
+        (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        meta = HeaderParser().parsestr(whl.read(meta_name).decode())
+        (licence,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        text = whl.read(licence).decode()
+    assert meta["License-Expression"] == "Apache-2.0" and meta.get_all("License-File") == ["LICENSE"]
+    assert text == (REPO / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) == 201
+    classifiers = meta.get_all("Classifier")
+    assert classifiers and not [c for c in classifiers if c not in trove_classifiers.classifiers]
+    assert not [c for c in classifiers if c.startswith("License ::")]  # superseded by License-Expression
+    assert meta["Author"] == "kvroute maintainers"
+    assert {"vllm", "router"} <= set(meta["Keywords"].split(","))

@@ -42,15 +42,16 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* The images: kvroute publishes none, so the chart names none (values.yaml says why). */}}
 {{- define "kvroute.router.image" -}}
-{{ .Values.router.image.repository }}:{{ default .Chart.AppVersion .Values.router.image.tag }}
+{{ required "router.image.repository is not set: kvroute publishes no image; build deploy/Dockerfile.router, push it to your registry and set router.image.repository (and tag), see deploy/README.md" .Values.router.image.repository }}:{{ default .Chart.AppVersion .Values.router.image.tag }}
 {{- end -}}
 
 {{- define "kvroute.replica.image" -}}
 {{- if eq .Values.replica.engine "emulated" -}}
 {{ include "kvroute.router.image" . }}
 {{- else -}}
-{{ .Values.replica.image.repository }}:{{ default .Chart.AppVersion .Values.replica.image.tag }}
+{{ required "replica.image.repository is not set: kvroute publishes no image; build deploy/Dockerfile.replica, push it to your registry and set replica.image.repository (and tag), see deploy/README.md" .Values.replica.image.repository }}:{{ default .Chart.AppVersion .Values.replica.image.tag }}
 {{- end -}}
 {{- end -}}
 
