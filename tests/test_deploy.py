@@ -267,6 +267,20 @@ def test_dockerfile_sources_and_commands_exist(name):
     assert (entry[1:] + cmd)[0] in COMMANDS
 
 
+def test_the_router_image_installs_the_lock_and_nothing_it_resolves_itself():
+    """deploy/requirements.lock (exact versions and hashes, `make lock`) is what the router image
+    installs, without resolving anything; kvroute follows without dependencies; `pip check`
+    fails the build when the lock lacks one.  (The lock against pyproject.toml:
+    tests/test_packaging.py.)"""
+    text = (DEPLOY / "Dockerfile.router").read_text()
+    runs = [" ".join(line.split()) for line in text.replace("\\\n", " ").splitlines() if line.startswith("RUN ")]
+    installs = [r for r in runs if "pip install" in r]
+    assert installs[0].endswith("pip install --no-cache-dir --no-deps --require-hashes -r /tmp/requirements.lock")
+    assert "COPY deploy/requirements.lock /tmp/requirements.lock" in text
+    assert installs[1] == "RUN pip install --no-cache-dir --no-deps . && pip check"
+    assert len(installs) == 2 and "pip wheel" not in text
+
+
 def test_the_router_image_builds_its_tokenizer_with_a_real_module(tmp_path):
     """Dockerfile.router runs `python -m kvroute.replica.tiny_model --out DIR`: that command works."""
     assert "python -m kvroute.replica.tiny_model --out /opt/kvroute/tokenizers/tiny" in (DEPLOY / "Dockerfile.router").read_text()
