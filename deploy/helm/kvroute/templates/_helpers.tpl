@@ -179,3 +179,31 @@ Kubernetes quantity: plain bytes or a k, M, G, T, Ki, Mi, Gi or Ti suffix; the s
 {{- if not (hasKey $units $unit) }}{{ fail (printf "redis.resources.limits.memory %q: use whole bytes or a k, M, G, T, Ki, Mi, Gi or Ti suffix" $limit) }}{{ end -}}
 {{- div (mul (int64 $number) (get $units $unit) .Values.redis.maxmemoryPercent) 100 -}}
 {{- end -}}
+
+{{/* Pod-spec fields every pod of the chart takes from its component's values: the registries'
+pull secrets, a priority class and topology spread constraints (one without labelSelector gets
+the component's pod labels).  include with (dict "ctx" $ "component" "router" "values" $.Values.router). */}}
+{{- define "kvroute.podExtras" -}}
+{{- with .ctx.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . | quote }}
+{{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- range . }}
+  {{- $c := deepCopy . }}
+  {{- if not (hasKey $c "labelSelector") }}
+  {{- $_ := set $c "labelSelector" (dict "matchLabels" (include "kvroute.selectorLabels" (dict "ctx" $.ctx "component" $.component) | fromYaml)) }}
+  {{- end }}
+  - {{- toYaml $c | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Volume sources Pod Security "restricted" allows (values.schema.json's restrictedVolume). */}}
+{{- define "kvroute.restrictedVolumeSources" -}}
+configMap csi downwardAPI emptyDir ephemeral persistentVolumeClaim projected secret
+{{- end -}}
