@@ -49,12 +49,13 @@ def run(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None, input: 
 # docker compose
 
 
-GRAFANA_PASSWORD = "a-test-password"  # the one variable the compose file requires
+GRAFANA_PASSWORD = "a-test-password"  # the variables the compose file requires
+REDIS_PASSWORD = "a-redis-test-password-0123"
 
 
 def compose_env(**variables: str) -> dict[str, str]:
     """Our environment without any variable the compose file reads, plus ``variables``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVROUTE_", "GRAFANA_", "PROMETHEUS_", "HF_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVROUTE_", "GRAFANA_", "PROMETHEUS_", "HF_", "REDIS_"))}
     return env | variables
 
 
@@ -64,7 +65,7 @@ def compose_config(profile: str | None, **variables: str) -> dict[str, Any]:
     args = [tool("docker-compose"), "-f", str(COMPOSE)]
     if profile:
         args += ["--profile", profile]
-    env = compose_env(GRAFANA_ADMIN_PASSWORD=GRAFANA_PASSWORD, **variables)
+    env = compose_env(GRAFANA_ADMIN_PASSWORD=GRAFANA_PASSWORD, REDIS_PASSWORD=REDIS_PASSWORD, **variables)
     return json.loads(run(*args, "config", "--format", "json", env=env))
 
 
@@ -90,7 +91,7 @@ def test_compose_routers_share_redis_and_discover_replicas_by_their_alias(compos
     services = compose["emulated"]["services"]
     routers = [services["router-1"], services["router-2"]]
     assert routers[0]["environment"]["KVROUTE_REDIS_URL"] == routers[1]["environment"]["KVROUTE_REDIS_URL"]
-    assert routers[0]["environment"]["KVROUTE_REDIS_URL"].startswith("redis://redis:")
+    assert routers[0]["environment"]["KVROUTE_REDIS_URL"].startswith(f"redis://:{REDIS_PASSWORD}@redis:")
     host, port = routers[0]["environment"]["KVROUTE_FLEET__DNS_NAME"].split(":")
     for profile in ("emulated", "gpu"):
         for name in PROFILES[profile]:
@@ -126,7 +127,7 @@ def test_compose_publishes_on_loopback_unless_told_otherwise(compose):
 
 def test_compose_grafana_needs_a_password_and_admits_no_anonymous_viewer(compose):
     out = subprocess.run([tool("docker-compose"), "-f", str(COMPOSE), "config"], capture_output=True,
-                         text=True, timeout=120, env=compose_env())
+                         text=True, timeout=120, env=compose_env(REDIS_PASSWORD=REDIS_PASSWORD))
     assert out.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in out.stderr
     grafana = compose[None]["services"]["grafana"]["environment"]
     assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == GRAFANA_PASSWORD
@@ -148,6 +149,22 @@ def test_compose_prometheus_has_no_lifecycle_api(compose):
     command = compose[None]["services"]["prometheus"]["command"]
     assert command[0].startswith("--config.file=")
     assert not [arg for arg in command if "lifecycle" in arg or "admin-api" in arg]
+
+
+def test_compose_redis_requires_a_password_every_client_has(compose):
+    out = subprocess.run([tool("docker-compose"), "-f", str(COMPOSE), "config"], capture_output=True,
+                         text=True, timeout=120, env=compose_env(GRAFANA_ADMIN_PASSWORD=GRAFANA_PASSWORD))
+    assert out.returncode != 0 and "set REDIS_PASSWORD" in out.stderr
+    for profile, config in compose.items():
+        services = config["services"]
+        redis = services["redis"]
+        options = dict(zip(redis["command"][1::2], redis["command"][2::2]))
+        assert options["--requirepass"] == REDIS_PASSWORD and redis["environment"]["REDISCLI_AUTH"] == REDIS_PASSWORD
+        assert "ports" not in redis
+        clients = {name: s["environment"]["KVROUTE_REDIS_URL"] for name, s in services.items()
+                   if "KVROUTE_REDIS_URL" in s.get("environment", {})}
+        assert {"router-1", "router-2"} <= set(clients) and set(clients) >= PROFILES[profile]
+        assert set(clients.values()) == {f"redis://:{REDIS_PASSWORD}@redis:6379/0"}, profile
 
 
 def test_compose_redis_is_bounded_and_evicts(compose):
@@ -356,7 +373,8 @@ def test_chart_renders_router_with_probes_pdb_and_service():
     assert pdb["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
     services = {s["metadata"]["name"]: s for s in kinds["Service"]}
     assert services["rel-kvroute-router"]["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
-    assert "HorizontalPodAutoscaler" not in kinds and "Secret" not in kinds
+    assert "HorizontalPodAutoscaler" not in kinds
+    assert [s["metadata"]["name"] for s in kinds["Secret"]] == ["rel-kvroute-redis"]  # Redis's password only
 
 
 def test_chart_router_environment_is_valid_router_settings(monkeypatch):
@@ -455,7 +473,7 @@ def test_chart_redis_is_optional_or_external():
 
 def test_chart_secret_holds_every_key_the_pods_read():
     kinds = by_kind(helm_template(*FULL))
-    (secret,) = kinds["Secret"]
+    (secret,) = [s for s in kinds["Secret"] if s["metadata"]["name"] == "rel-kvroute"]
     keys = set(secret["stringData"])
     assert secret["stringData"]["api-keys"] == "k1,k2"
     refs = []
@@ -1092,3 +1110,238 @@ def test_the_httproute_checks_refuse_a_broken_route():
     misplaced = json.loads(json.dumps(route))
     misplaced["spec"]["rules"][0]["backendRefs"][0]["servicePort"] = 8000
     assert httproute_problems(misplaced) == ["backendRefs.servicePort"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Redis that only the chart's routers and replicas can reach: a password, NetworkPolicies
+
+
+def secret_values(kinds: dict[str, list[dict]]) -> dict[tuple[str, str], str]:
+    """(secret name, key) -> value of every Secret rendered."""
+    import base64
+
+    out = {}
+    for s in kinds.get("Secret", []):
+        out |= {(s["metadata"]["name"], k): v for k, v in s.get("stringData", {}).items()}
+        out |= {(s["metadata"]["name"], k): base64.b64decode(v).decode() for k, v in s.get("data", {}).items()}
+    return out
+
+
+def expand(container: dict, secrets: dict[tuple[str, str], str]) -> tuple[dict[str, str], list[str]]:
+    """The container's environment and args as Kubernetes gives them to the process: secretKeyRef
+    values read, then $(VAR) replaced by a variable defined *earlier* in the list (a reference to
+    any other is left as written, $$ escapes a $)."""
+    import re
+
+    env: dict[str, str] = {}
+
+    def sub(text: str) -> str:
+        return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                      lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = sub(e["value"])
+        elif ref := e.get("valueFrom", {}).get("secretKeyRef"):
+            if (ref["name"], ref["key"]) in secrets:
+                env[e["name"]] = secrets[(ref["name"], ref["key"])]
+    return env, [sub(a) for a in container.get("args", [])]
+
+
+def test_the_env_expansion_follows_kubernetes_order():
+    container = {"env": [{"name": "URL", "value": "redis://:$(PW)@h"}, {"name": "PW", "value": "x"},
+                         {"name": "URL2", "value": "redis://:$(PW)@h $$(PW)"}], "args": ["$(PW)"]}
+    env, args = expand(container, {})
+    assert env == {"URL": "redis://:$(PW)@h", "PW": "x", "URL2": "redis://:x@h $(PW)"} and args == ["x"]
+
+
+@pytest.fixture
+def charted_redis(tmp_path):
+    """The chart's Redis (default values) run for real: redis-server with the args and password
+    the rendered pod would have, on a free loopback port; and the rendered pods."""
+    from tests.conftest import free_port
+
+    kinds = by_kind(helm_template())
+    secrets = secret_values(kinds)
+    pods = pods_of(kinds)
+    redis_env, redis_args = expand(pods["redis"]["spec"]["containers"][0], secrets)
+    assert redis_args[0] == "redis-server" and "--requirepass" in redis_args
+    port = free_port()
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", *redis_args[1:], "--port", str(port),
+                             "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import time
+
+    import redis
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis(port=port, socket_connect_timeout=0.5).ping()
+        except redis.AuthenticationError:
+            break  # up, and asking for the password
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
+            time.sleep(0.05)
+    try:
+        yield {"port": port, "kinds": kinds, "secrets": secrets, "pods": pods, "redis_env": redis_env}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_chart_redis_requires_the_password_its_routers_and_replicas_use(charted_redis, monkeypatch):
+    import redis
+
+    port, pods, secrets = charted_redis["port"], charted_redis["pods"], charted_redis["secrets"]
+    password = secrets[("rel-kvroute-redis", "redis-password")]
+    assert len(password) == 32 and password.isalnum()
+    urls = {}
+    for component in ("router", "replica"):
+        env, _ = expand(pods[component]["spec"]["containers"][0], secrets)
+        urls[component] = env["KVROUTE_REDIS_URL"]
+    assert urls["router"] == urls["replica"] == f"redis://:{password}@rel-kvroute-redis:6379/0"
+    local = urls["router"].replace("rel-kvroute-redis:6379", f"127.0.0.1:{port}")
+    assert redis.Redis.from_url(local).ping()
+    with pytest.raises(redis.AuthenticationError):  # NOAUTH: without the password
+        redis.Redis.from_url(f"redis://127.0.0.1:{port}/0").ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(f"redis://:wrong-password@127.0.0.1:{port}/0").ping()
+    # the pod spec carries the reference, never the password
+    rendered = json.dumps([pods[c]["spec"] for c in pods])
+    assert password not in rendered and "$(REDIS_PASSWORD)" in rendered
+    # the probes' redis-cli authenticates through REDISCLI_AUTH
+    probe = pods["redis"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
+    cli = [shutil.which("redis-cli") or "redis-cli", "-p", str(port), *probe[1:]]
+    env = {"PATH": os.environ["PATH"], "REDISCLI_AUTH": charted_redis["redis_env"]["REDISCLI_AUTH"]}
+    assert subprocess.run(cli, capture_output=True, text=True, env=env, timeout=10).stdout.strip() == "PONG"
+    denied = subprocess.run(cli, capture_output=True, text=True, env={"PATH": os.environ["PATH"]}, timeout=10)
+    assert "NOAUTH" in denied.stdout + denied.stderr
+    # what the router reads from that environment
+    env, _ = expand(pods["router"]["spec"]["containers"][0], secrets)
+    settings = load_router_env({k: v for k, v in env.items() if k.startswith("KVROUTE_")}, monkeypatch)
+    assert settings.redis_url == urls["router"]
+
+
+def test_chart_redis_password_given_existing_or_off():
+    kinds = by_kind(helm_template("redis.auth.password=a-given-password-0123"))
+    assert secret_values(kinds)[("rel-kvroute-redis", "redis-password")] == "a-given-password-0123"
+    mine = by_kind(helm_template("redis.auth.existingSecret=redis-pw", "redis.auth.existingSecretKey=pw"))
+    assert [s["metadata"]["name"] for s in mine.get("Secret", [])] == []
+    for component, pod in pods_of(mine).items():
+        env = {e["name"]: e for e in pod["spec"]["containers"][0].get("env", [])}
+        if component in ("router", "replica", "redis"):
+            assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "redis-pw", "key": "pw"}, component
+    off = by_kind(helm_template("redis.auth.enabled=false"))
+    assert "Secret" not in off
+    redis_pod = pods_of(off)["redis"]["spec"]["containers"][0]
+    assert "--requirepass" not in redis_pod["args"] and "env" not in redis_pod
+    assert env_of(router_of(off)["spec"]["template"]["spec"]["containers"][0])["KVROUTE_REDIS_URL"] == \
+        "redis://rel-kvroute-redis:6379/0"
+    # an external Redis: its URL as given (credentials in it, or from redis.existingSecret)
+    external = by_kind(helm_template("redis.enabled=false", "redis.externalUrl=rediss://cache:6380/0"))
+    assert "Secret" not in external and "REDIS_PASSWORD" not in env_of(router_of(external)["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_rediss_with_a_ca_bundle_reaches_redis_pys_tls_connection():
+    """A private CA for rediss://: redis-py's URL parsing passes ssl_ca_certs (and any other
+    query argument) to its SSL connection, as the router's clients build them (Redis.from_url)."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.connection import SSLConnection
+
+    url = "rediss://:pw@cache.internal:6380/0?ssl_ca_certs=/etc/redis-ca/ca.crt"
+    pool = aioredis.Redis.from_url(url).connection_pool
+    assert pool.connection_class is SSLConnection
+    kwargs = pool.connection_kwargs
+    assert (kwargs["ssl_ca_certs"], kwargs["host"], kwargs["port"], kwargs["password"]) == \
+        ("/etc/redis-ca/ca.crt", "cache.internal", 6380, "pw")
+    connection = pool.make_connection()
+    assert connection.ssl_context.ca_certs == "/etc/redis-ca/ca.crt"
+    assert connection.ssl_context.cert_reqs.name == "CERT_REQUIRED"  # verified by default
+    router = by_kind(helm_template("redis.enabled=false", f"redis.externalUrl={url.replace(',', chr(92) + ',')}"))
+    assert env_of(router_of(router)["spec"]["template"]["spec"]["containers"][0])["KVROUTE_REDIS_URL"] == url
+
+
+def peer_matches(peer: dict, labels: dict[str, str], namespace: str, namespace_labels: dict[str, str],
+                 policy_namespace: str) -> bool:
+    """NetworkPolicyPeer semantics for a pod (matchLabels only, which is all the chart renders)."""
+    def selects(selector: dict, target: dict[str, str]) -> bool:
+        return selector.get("matchLabels", {}).items() <= target.items()
+
+    if "ipBlock" in peer:
+        return False
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], namespace_labels):
+            return False
+    elif namespace != policy_namespace:
+        return False
+    return selects(peer.get("podSelector", {}), labels)
+
+
+def admitted(policies: list[dict], to_labels: dict[str, str], port: str, frm: dict[str, str],
+             namespace: str = "llm", namespace_labels: dict[str, str] | None = None) -> bool:
+    """Whether a pod labelled ``frm`` in ``namespace`` may open ``port`` (a name) on a pod labelled
+    ``to_labels`` in the release namespace llm: no policy selecting it, or a rule of one admitting it."""
+    selecting = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= to_labels.items()]
+    if not selecting:
+        return True
+    ns_labels = (namespace_labels or {}) | {"kubernetes.io/metadata.name": namespace}
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            if rule.get("ports") and port not in {p["port"] for p in rule["ports"]}:
+                continue
+            if "from" not in rule or any(peer_matches(peer, frm, namespace, ns_labels, "llm") for peer in rule["from"]):
+                return True
+    return False
+
+
+def test_chart_network_policies_let_only_routers_and_replicas_reach_redis():
+    kinds = by_kind(helm_template())
+    policies = kinds["NetworkPolicy"]
+    assert {p["metadata"]["name"] for p in policies} == {"rel-kvroute-router", "rel-kvroute-replica", "rel-kvroute-redis"}
+    labels = {c: t["metadata"]["labels"] for c, t in pods_of(kinds).items()}
+    stranger, prometheus = {"app": "curl"}, {"app.kubernetes.io/name": "prometheus"}
+    # Redis: routers and replicas of this release, nobody else (not another namespace's router either)
+    assert admitted(policies, labels["redis"], "redis", labels["router"])
+    assert admitted(policies, labels["redis"], "redis", labels["replica"])
+    assert not admitted(policies, labels["redis"], "redis", stranger)
+    assert not admitted(policies, labels["redis"], "redis", prometheus, namespace="monitoring")
+    assert not admitted(policies, labels["redis"], "redis", labels["router"], namespace="other")
+    # replicas: the routers on every port they use, Prometheus on HTTP only
+    for port in ("http", "kv-events", "kv-replay"):
+        assert admitted(policies, labels["replica"], port, labels["router"]), port
+        assert not admitted(policies, labels["replica"], port, stranger), port
+    assert admitted(policies, labels["replica"], "http", prometheus, namespace="monitoring")
+    assert not admitted(policies, labels["replica"], "kv-events", prometheus, namespace="monitoring")
+    # routers: anyone by default
+    assert admitted(policies, labels["router"], "http", stranger, namespace="elsewhere")
+    # the ports named are the pods' own
+    for component, port in (("redis", "redis"), ("replica", "http"), ("replica", "kv-events"), ("router", "http")):
+        assert port in {p["name"] for c in pods_of(kinds)[component]["spec"]["containers"] for p in c["ports"]}
+
+
+def test_chart_network_policy_options():
+    ingress_ns = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    kinds = by_kind(helm_template(
+        "networkPolicy.routerFrom[0].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=ingress-nginx"))
+    policies, labels = kinds["NetworkPolicy"], {c: t["metadata"]["labels"] for c, t in pods_of(kinds).items()}
+    (router_policy,) = [p for p in policies if p["metadata"]["name"] == "rel-kvroute-router"]
+    assert router_policy["spec"]["ingress"][0]["from"][0] == ingress_ns
+    assert admitted(policies, labels["router"], "http", {"app": "controller"}, namespace="ingress-nginx")
+    assert not admitted(policies, labels["router"], "http", {"app": "curl"}, namespace="elsewhere")
+    assert admitted(policies, labels["router"], "http", {"app.kubernetes.io/name": "prometheus"}, namespace="monitoring")
+    assert "NetworkPolicy" not in by_kind(helm_template("networkPolicy.enabled=false"))
+    byo = helm_template_values(CI_VALUES["byo-service"])  # bring your own vLLM: no replica policy
+    assert {p["metadata"]["name"] for p in byo["NetworkPolicy"]} == {"rel-kvroute-router", "rel-kvroute-redis"}
+    external = by_kind(helm_template("redis.enabled=false", "redis.externalUrl=redis://cache:6379/0"))
+    assert {p["metadata"]["name"] for p in external["NetworkPolicy"]} == {"rel-kvroute-router", "rel-kvroute-replica"}
+
+
+def test_the_network_policy_check_refuses_what_no_rule_admits():
+    policy = {"spec": {"podSelector": {"matchLabels": {"a": "1"}},
+                       "ingress": [{"from": [{"podSelector": {"matchLabels": {"b": "2"}}}], "ports": [{"port": "x"}]}]}}
+    assert admitted([policy], {"a": "1"}, "x", {"b": "2"})
+    assert not admitted([policy], {"a": "1"}, "y", {"b": "2"})
+    assert not admitted([policy], {"a": "1"}, "x", {"b": "3"})
+    assert not admitted([policy], {"a": "1"}, "x", {"b": "2"}, namespace="other")
+    assert admitted([policy], {"a": "2"}, "y", {})  # not selected: open

@@ -89,12 +89,33 @@ redis://{{ include "kvroute.redis.fullname" . }}:6379/0
       optional: true
 {{- end -}}
 
-{{/* KVROUTE_REDIS_URL (a value, or a reference to an existing Secret) and the key prefix. */}}
+{{/* Whether the chart's Redis requires a password (redis.enabled and redis.auth.enabled). */}}
+{{- define "kvroute.redis.auth" -}}
+{{- if and .Values.redis.enabled .Values.redis.auth.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The Secret (and key) holding the chart's Redis password. */}}
+{{- define "kvroute.redis.passwordSecret" -}}
+{{- default (include "kvroute.redis.fullname" .) .Values.redis.auth.existingSecret -}}
+{{- end -}}
+
+{{/* REDIS_PASSWORD from that Secret: Redis's requirepass, and the routers' and replicas' URL. */}}
+{{- define "kvroute.redis.passwordEnv" -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ include "kvroute.redis.passwordSecret" . | quote }}, key: {{ .Values.redis.auth.existingSecretKey | quote }}}
+{{- end -}}
+
+{{/* KVROUTE_REDIS_URL (a value, or a reference to an existing Secret) and the key prefix.  The
+chart's Redis with a password: REDIS_PASSWORD first, then a URL Kubernetes expands it into. */}}
 {{- define "kvroute.redis.urlEnv" -}}
 {{- if .Values.redis.existingSecret -}}
 - name: KVROUTE_REDIS_URL
   valueFrom:
     secretKeyRef: {name: {{ .Values.redis.existingSecret | quote }}, key: {{ .Values.redis.existingSecretKey | quote }}}
+{{- else if include "kvroute.redis.auth" . -}}
+{{ include "kvroute.redis.passwordEnv" . }}
+- {name: KVROUTE_REDIS_URL, value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "kvroute.redis.fullname" .) | quote }}}
 {{- else -}}
 - {name: KVROUTE_REDIS_URL, value: {{ include "kvroute.redis.url" . | quote }}}
 {{- end }}
