@@ -215,9 +215,25 @@ def _installed_vllm(python: str) -> str | None:
     return out or None
 
 
+def vllm_config(args: argparse.Namespace, *, python: str, model_path: str, device: str) -> Any:
+    """The ``VllmReplicaConfig`` (replica/vllm.py) that `kvroute replica --engine vllm ARGS`
+    runs, before port 0s are resolved (tests/vllm/test_vllm_cli.py feeds it to vLLM's parser)."""
+    from kvroute.replica.vllm import DEFAULT_ENTRY_MODULE, VllmReplicaConfig, split_extra_args
+
+    return VllmReplicaConfig(
+        model=args.model, model_path=model_path, device=device, host=args.host, port=args.port,  # type: ignore[arg-type]
+        advertise_host=args.advertise_host, block_size=args.block_size,
+        events_endpoint=args.events_endpoint, replay_endpoint=args.replay_endpoint, events_topic=args.events_topic,
+        kv_cache_bytes=args.kv_cache_bytes, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
+        tokenizer=args.tokenizer, api_key=args.api_key, cpu_threads=args.threads, dev_mode=args.dev_mode,
+        python=python, entry_module=args.vllm_entry or DEFAULT_ENTRY_MODULE,
+        extra_args=split_extra_args(args.vllm_args),
+    )
+
+
 def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from kvroute.replica.tiny_model import ensure_model
-    from kvroute.replica.vllm import DEFAULT_ENTRY_MODULE, VllmReplicaConfig, split_extra_args, with_free_ports
+    from kvroute.replica.vllm import with_free_ports
     from kvroute.replica.vllm_supervisor import Registration, Timeouts, VllmSupervisor
 
     python = args.vllm_python or _default_vllm_python()
@@ -236,15 +252,7 @@ def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print(f"kvroute replica: building the tiny model with {python} failed: {exc}", file=sys.stderr)
         return 1
     try:
-        config = with_free_ports(VllmReplicaConfig(
-            model=args.model, model_path=model_path, device=device, host=args.host, port=args.port,  # type: ignore[arg-type]
-            advertise_host=args.advertise_host, block_size=args.block_size,
-            events_endpoint=args.events_endpoint, replay_endpoint=args.replay_endpoint, events_topic=args.events_topic,
-            kv_cache_bytes=args.kv_cache_bytes, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
-            tokenizer=args.tokenizer, api_key=args.api_key, cpu_threads=args.threads, dev_mode=args.dev_mode,
-            python=python, entry_module=args.vllm_entry or DEFAULT_ENTRY_MODULE,
-            extra_args=split_extra_args(args.vllm_args),
-        ))
+        config = with_free_ports(vllm_config(args, python=python, model_path=model_path, device=device))
     except ValueError as exc:
         parser.error(str(exc))
     registration = None
