@@ -6,29 +6,35 @@ aiohttp 3.12's RequestKey)."""
 from __future__ import annotations
 
 import importlib
+import tomllib
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("router", "replica", "bench")
-# vllm_cpu_site's sitecustomize runs in vLLM's processes (it asks the kernel for AMX tiles):
-# importing it is running it, so it is not imported here.
-NOT_IMPORTED = {"replica.vllm_cpu_site.sitecustomize"}
+# package -> its folder (pyproject.toml's package-dir: kvroute.router -> router/)
+PACKAGE_DIRS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+# Importing these is running them: vllm_cpu_site's sitecustomize runs in vLLM's processes (it asks
+# the kernel for AMX tiles), a __main__ module runs its command.
+NOT_IMPORTED = {"kvroute.replica.vllm_cpu_site.sitecustomize", "kvroute.cli.__main__"}
 
 
 def modules() -> list[str]:
-    """Every .py file under the packages, as a module name (from the files: walking the packages
-    would import them, and a package that fails to import would hide its modules)."""
-    names = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-             for package in PACKAGES for p in (REPO / package).rglob("*.py")}
+    """Every .py file under the packages' folders, as a module name (from the files: walking the
+    packages would import them, and a package that fails to import would hide its modules)."""
+    names = set()
+    for package, folder in PACKAGE_DIRS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            names.add(".".join((package, *parts)).removesuffix(".__init__"))
     return sorted(names - NOT_IMPORTED)
 
 
 def test_the_modules_are_found():
     found = modules()
-    assert {"router", "router.app", "router.server", "router.access_log", "replica.cli", "bench.sim"} <= set(found)
-    assert len(found) > 100 and all((REPO / p).is_dir() for p in PACKAGES)
+    assert {"kvroute.router", "kvroute.router.app", "kvroute.router.server", "kvroute.router.access_log",
+            "kvroute.replica.cli", "kvroute.bench.sim", "kvroute.cli"} <= set(found)
+    assert len(found) > 100 and all((REPO / folder).is_dir() for folder in PACKAGE_DIRS.values())
 
 
 @pytest.mark.parametrize("name", modules())
