@@ -11,6 +11,7 @@ replica launcher accept.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -1243,23 +1244,54 @@ def test_chart_redis_password_given_existing_or_off():
     assert "Secret" not in external and "REDIS_PASSWORD" not in env_of(router_of(external)["spec"]["template"]["spec"]["containers"][0])
 
 
-def test_rediss_with_a_ca_bundle_reaches_redis_pys_tls_connection():
-    """A private CA for rediss://: redis-py's URL parsing passes ssl_ca_certs (and any other
-    query argument) to its SSL connection, as the router's clients build them (Redis.from_url)."""
-    import redis.asyncio as aioredis
-    from redis.asyncio.connection import SSLConnection
+async def test_rediss_with_a_ca_bundle_in_the_url_reaches_a_tls_redis(tmp_path):
+    """A private CA for rediss://: redis-py's URL parsing hands the query's ssl_ca_certs to its SSL
+    connection, as the router's clients build them (redis.asyncio.Redis.from_url).  A real
+    redis-server serving TLS only, with a certificate of a CA of its own: the URL with the CA
+    bundle gets in, the same URL without it is refused (verification is redis-py's default)."""
+    import time
 
-    url = "rediss://:pw@cache.internal:6380/0?ssl_ca_certs=/etc/redis-ca/ca.crt"
-    pool = aioredis.Redis.from_url(url).connection_pool
-    assert pool.connection_class is SSLConnection
-    kwargs = pool.connection_kwargs
-    assert (kwargs["ssl_ca_certs"], kwargs["host"], kwargs["port"], kwargs["password"]) == \
-        ("/etc/redis-ca/ca.crt", "cache.internal", 6380, "pw")
-    connection = pool.make_connection()
-    assert connection.ssl_context.ca_certs == "/etc/redis-ca/ca.crt"
-    assert connection.ssl_context.cert_reqs.name == "CERT_REQUIRED"  # verified by default
-    router = by_kind(helm_template("redis.enabled=false", f"redis.externalUrl={url.replace(',', chr(92) + ',')}"))
-    assert env_of(router_of(router)["spec"]["template"]["spec"]["containers"][0])["KVROUTE_REDIS_URL"] == url
+    import redis
+    import redis.asyncio as aioredis
+
+    from tests.conftest import free_port
+    from tests.kube_api import self_signed_tls
+
+    _, cert = self_signed_tls(tmp_path / "tls")  # for 127.0.0.1, its own CA
+    key = cert.with_suffix(".key")
+    port = free_port()
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", "0", "--tls-port", str(port),
+                             "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                             "--tls-auth-clients", "no", "--requirepass", "tls-test-password", "--save", "",
+                             "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"rediss://:tls-test-password@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        deadline = time.monotonic() + 10
+        while True:
+            client = aioredis.Redis.from_url(url)
+            try:
+                assert await client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None, "redis-server (TLS) did not start"
+                await asyncio.sleep(0.1)
+            finally:
+                await client.aclose()
+        pool = aioredis.Redis.from_url(url).connection_pool
+        assert pool.connection_class.__name__ == "SSLConnection" and pool.connection_kwargs["ssl_ca_certs"] == str(cert)
+        without_ca = aioredis.Redis.from_url(url.split("?")[0])
+        with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+            await without_ca.ping()
+        await without_ca.aclose()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    # the chart passes such a URL to routers and replicas as given
+    kinds = by_kind(helm_template("redis.enabled=false",
+                                  "redis.externalUrl=rediss://cache:6380/0?ssl_ca_certs=/etc/redis-ca/ca.crt"))
+    assert env_of(router_of(kinds)["spec"]["template"]["spec"]["containers"][0])["KVROUTE_REDIS_URL"] == \
+        "rediss://cache:6380/0?ssl_ca_certs=/etc/redis-ca/ca.crt"
 
 
 def peer_matches(peer: dict, labels: dict[str, str], namespace: str, namespace_labels: dict[str, str],
