@@ -1091,6 +1091,13 @@ def test_chart_httproute_is_a_valid_gateway_api_route_to_the_router_service():
     assert rule["backendRefs"] == [{"name": service["metadata"]["name"], "port": service["spec"]["ports"][0]["port"]}]
 
 
+def test_chart_notes_say_how_redis_is_closed(tmp_path):
+    notes = chart_notes(tmp_path)
+    assert "its password: Secret rel-kvroute-redis, key redis-password" in notes
+    assert "a NetworkPolicy admits only the routers and replicas" in notes
+    assert "NO PASSWORD" in chart_notes(tmp_path, "redis.auth.enabled=false", "networkPolicy.enabled=false")
+
+
 def test_chart_notes_name_the_ingress_and_the_route(tmp_path):
     notes = chart_notes(tmp_path, values=CI_VALUES["exposed"])
     assert "Ingress rel-kvroute-router: https://llm.example.com" in notes
