@@ -18,9 +18,9 @@ import numpy as np
 from kvroute.replica.assets import TINY_TOKENIZER
 from kvroute.router.index.base import ReplicaSpec
 from kvroute.router.index.memory import MemoryIndex
-from kvroute.router.policy.cost_model import MAX_PREFIX_KEYS, MAX_SESSIONS, SIGNAL_TAU_S, SessionBook
-from kvroute.router.policy.prefix_heat import PrefixHeat
-from kvroute.router.reuse import ReuseTracker
+from kvroute.router.placement.policy.cost_model import MAX_PREFIX_KEYS, MAX_SESSIONS, SIGNAL_TAU_S, SessionBook
+from kvroute.router.placement.policy.prefix_heat import PrefixHeat
+from kvroute.router.request.reuse import ReuseTracker
 from kvroute.common.tokens import Tokenizer
 from kvroute.common.tokens.segments import DEFAULT_CACHE_MAX_CHARS
 

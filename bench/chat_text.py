@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 # Common English words (the text of replayed traces uses the same list: bench/demo_chat.py).
-from .demo_chat import WORDS
+from kvroute.bench.demo_chat import WORDS
 
 _WORDS = np.array(WORDS)
 _IDENTS = np.array("get set value node buf cfg idx tmp item key data result request cache block token seq".split())

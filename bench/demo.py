@@ -66,7 +66,7 @@ import aiohttp
 import numpy as np
 
 from . import report
-from .demo_chat import (
+from kvroute.bench.demo_chat import (
     ChatConfig,
     ChatWorkload,
     ConversationChat,
@@ -75,7 +75,7 @@ from .demo_chat import (
     build_conversation_workload,
     build_workload,
 )
-from .demo_fleet import (
+from kvroute.bench.demo_fleet import (
     ENGINES,
     DemoStack,
     EngineUnavailable,
@@ -90,9 +90,9 @@ from .demo_fleet import (
     running_fleet,
     tokenizer_of,
 )
-from .limit import available_blocks, chains_of, fleet_limit, limit_ttfts, percentiles
-from .sim import METRIC_KEYS
-from .workloads import LogNormal
+from kvroute.bench.limit import available_blocks, chains_of, fleet_limit, limit_ttfts, percentiles
+from kvroute.bench.sim import METRIC_KEYS
+from kvroute.bench.workloads import LogNormal
 
 log = logging.getLogger("kvroute.demo")
 

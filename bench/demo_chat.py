@@ -30,7 +30,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from .workloads import ConversationConfig, LogNormal
+from kvroute.bench.workloads import ConversationConfig, LogNormal
 
 # A fixed vocabulary: the text is "real" for the tokenizer (merges, spaces, punctuation), and
 # the same seed gives the same conversations on every machine.

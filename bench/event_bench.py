@@ -31,7 +31,7 @@ from kvroute.replica.emulated.publisher import BlockRemoved, BlockStored, KVEven
 from kvroute.bench.timing import per_call_us
 from kvroute.router.index import MemoryIndex, RedisIndex, ReplicaSpec
 from kvroute.router.index.base import PrefixIndex
-from kvroute.router.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber
+from kvroute.router.fleet.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber
 
 MODEL = "bench-model"
 BS = 16

@@ -2,7 +2,7 @@
 
 ``python -m kvroute.bench.proxy_floor --server aiohttp|protocol URL [URL ...]`` listens on a free port
 (``--port``), prints ``listening on http://127.0.0.1:PORT`` and sends each POST, body untouched,
-to the next replica in turn through the router's own upstream client (``kvroute.router.upstream``), then
+to the next replica in turn through the router's own upstream client (``kvroute.router.forwarding.upstream``), then
 returns the replica's answer whole.  No JSON is parsed, nothing is tokenized, hashed or counted.
 
 * ``aiohttp``: an aiohttp web application with one handler, as the router is built (aiohttp's
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import uvloop
 from aiohttp import web
 
-from kvroute.router.upstream import UpstreamPool
+from kvroute.router.forwarding.upstream import UpstreamPool
 
 _HEADERS = {"Content-Type": "application/json"}
 

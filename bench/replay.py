@@ -42,10 +42,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from .demo_chat import WORDS, RequestRecord, stream_chat
-from .limit import LIMIT_KEYS, available_blocks, limit_ttfts, multiples, percentiles
-from .sim_cli import resolve_profile
-from .workloads import DEFAULT_TRACE, DEFAULT_TRACE_NAME, TRACE_BLOCK_TOKENS, load_trace
+from kvroute.bench.demo_chat import WORDS, RequestRecord, stream_chat
+from kvroute.bench.limit import LIMIT_KEYS, available_blocks, limit_ttfts, multiples, percentiles
+from kvroute.bench.sim_cli import resolve_profile
+from kvroute.bench.workloads import DEFAULT_TRACE, DEFAULT_TRACE_NAME, TRACE_BLOCK_TOKENS, load_trace
 
 TEXT_SEED = 512  # the words of a block: a generator keyed by (TEXT_SEED, hash id)
 CALIBRATION_WORDS = 400
@@ -228,7 +228,7 @@ def print_summary(figures: dict[str, Any], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .report import pct, secs, secs_vs
+    from kvroute.bench.report import pct, secs, secs_vs
 
     limit = figures["limit"]
     table = Table(title=title)
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if result.tokens_per_word is None:
         err.print("[yellow]the endpoint has no /tokenize: one token per word assumed (blocks may not be 512 tokens)[/]")
     if args.json:
-        from .report import json_safe
+        from kvroute.bench.report import json_safe
 
         extra = {"trace": str(args.trace), "start": args.start, "url": args.url, "speedup": args.speedup,
                  "session_header": args.session_header}

@@ -10,7 +10,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from .limit import LIMIT_KEYS
+from kvroute.bench.limit import LIMIT_KEYS
 
 LIMIT_NOTE = (
     "physical limit: each request alone on an idle replica with one infinite cache shared by the fleet "

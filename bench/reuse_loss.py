@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from kvroute.router.policy import make_policy
+from kvroute.router.placement.policy import make_policy
 
-from .sim import FleetConfig, FleetSim, PreparedWorkload, drive
-from .sim_cli import parse_args, prepared_workload, resolve_policies, resolve_profile
+from kvroute.bench.sim import FleetConfig, FleetSim, PreparedWorkload, drive
+from kvroute.bench.sim_cli import parse_args, prepared_workload, resolve_policies, resolve_profile
 
 LOSS_KEYS = ("available", "fleet_held", "left_holder", "index_lost", "lost_after", "gained_after", "delivered")
 

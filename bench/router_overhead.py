@@ -369,14 +369,14 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
     """Microseconds per stage of the routing pipeline, in this process, for both prompts: the
     stages on the request's path, then, apart, the reuse accounting done after the answer."""
     from kvroute.common.blocks import namespace_seed
-    from kvroute.router.chain_memo import ChainMemo
+    from kvroute.router.request.chain_memo import ChainMemo
     from kvroute.router.index.base import ReplicaSpec
     from kvroute.router.index.memory import MemoryIndex
-    from kvroute.router.load import LoadTracker
-    from kvroute.router.placement import snapshot
-    from kvroute.router.policy import RouteRequest, make_policy
+    from kvroute.router.placement.load import LoadTracker
+    from kvroute.router.placement.sequence import snapshot
+    from kvroute.router.placement.policy import RouteRequest, make_policy
     from kvroute.common.requests import parse_request
-    from kvroute.router.reuse import ReuseTracker
+    from kvroute.router.request.reuse import ReuseTracker
     from kvroute.common.tokens import Tokenizer
 
     tok = Tokenizer.from_dir(TOKENIZER)

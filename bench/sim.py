@@ -40,12 +40,12 @@ from kvroute.common.blocks import block_hashes, namespace_seed
 from kvroute.router.index.base import ReplicaSpec
 from kvroute.router.index.client import IndexClient
 from kvroute.router.index.memory import MemoryIndex
-from kvroute.router.load import LoadTracker
-from kvroute.router.placement import Placement, snapshot
-from kvroute.router.policy.base import Policy, RouteRequest
+from kvroute.router.placement.load import LoadTracker
+from kvroute.router.placement.sequence import Placement, snapshot
+from kvroute.router.placement.policy.base import Policy, RouteRequest
 
-from .limit import available_blocks, limit_ttfts, prefill_seconds
-from .workloads import Workload, text_proxy
+from kvroute.bench.limit import available_blocks, limit_ttfts, prefill_seconds
+from kvroute.bench.workloads import Workload, text_proxy
 
 SIM_MODEL = "sim-model"  # the namespace of every chain in the simulator
 METRIC_KEYS = (

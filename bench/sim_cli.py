@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from . import report
-from .limit import fleet_limit, percentiles
-from .sim import FleetConfig, PreparedWorkload, offered_load_rate, prepare, simulate_policy
-from .workloads import DEFAULT_REQUESTS, DEFAULT_TRACE_NAME, WORKLOADS, Workload, build_workload
+from kvroute.bench.limit import fleet_limit, percentiles
+from kvroute.bench.sim import FleetConfig, PreparedWorkload, offered_load_rate, prepare, simulate_policy
+from kvroute.bench.workloads import DEFAULT_REQUESTS, DEFAULT_TRACE_NAME, WORKLOADS, Workload, build_workload
 
 RATE_SAMPLE = 5000  # at most this many requests estimate the default rate
 
@@ -53,13 +53,13 @@ def parse_args(argv: list[str], prog: str = "kvroute sim", description: str | No
 
 
 def policy_names() -> list[str]:
-    from kvroute.router.policy import POLICIES
+    from kvroute.router.placement.policy import POLICIES
 
     return list(POLICIES)
 
 
 def resolve_policies(spec: str) -> list[str]:
-    from kvroute.router.policy import ALL, POLICIES
+    from kvroute.router.placement.policy import ALL, POLICIES
 
     if spec.strip() == "all":
         return list(ALL)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvroute.router.policy import make_policy
+    from kvroute.router.placement.policy import make_policy
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     err = Console(stderr=True)

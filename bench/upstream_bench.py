@@ -1,4 +1,4 @@
-"""aiohttp's client vs ``kvroute.router.upstream.UpstreamPool``, side by side: ``python -m kvroute.bench.upstream_bench``.
+"""aiohttp's client vs ``kvroute.router.forwarding.upstream.UpstreamPool``, side by side: ``python -m kvroute.bench.upstream_bench``.
 
 An aiohttp server (uvloop, a child process, so this process's CPU time is the client's alone)
 answers a POST with (a) a small JSON body (Content-Length) and (b) a short SSE stream (6 events,
@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import uvloop
 
-from kvroute.router.upstream import UpstreamPool
+from kvroute.router.forwarding.upstream import UpstreamPool
 
 REPO = Path(__file__).resolve().parents[1]
 

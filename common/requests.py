@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, ValidationError
 
-from .errors import ApiError
+from kvroute.common.errors import ApiError
 
 # Token ids are hashed as uint32: anything outside that range is a client error, not a crash.
 TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**32)]

@@ -26,8 +26,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
-from .errors import ApiError
-from .requests import NonNegativeInt, Number, ParsedRequest, decode_json_object, validation_error
+from kvroute.common.errors import ApiError
+from kvroute.common.requests import NonNegativeInt, Number, ParsedRequest, decode_json_object, validation_error
 
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 

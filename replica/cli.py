@@ -148,7 +148,7 @@ async def _run(config: object, args: argparse.Namespace) -> None:
     registered = None
     try:
         if args.redis_url:
-            from kvroute.common.registry import KeptRegistration
+            from kvroute.common.registration import KeptRegistration
 
             record = _emulated_record(replica, args)
             registered = KeptRegistration(args.redis_url, args.redis_key_prefix, record, args.registration_ttl)
@@ -173,7 +173,7 @@ def _emulated_record(replica: Any, args: argparse.Namespace) -> Any:
     """What an emulated replica registers, as the vLLM launcher does for a real one: where routers
     reach it and its KV events, its model, block size and capacity."""
     from kvroute.replica.vllm import advertised_host
-    from kvroute.common.registry import ReplicaRecord
+    from kvroute.common.registration import ReplicaRecord
 
     host = advertised_host(args.host, args.advertise_host)
     url_host = f"[{host}]" if ":" in host else host

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from .vllm_fleet import VllmDemoFleet
+    from kvroute.replica.vllm_fleet import VllmDemoFleet
 
 Device = Literal["cpu", "gpu"]
 
@@ -262,6 +262,6 @@ def demo_fleet(count: int, *, model: str, time_scale: float = 1.0, profile: str 
     """`kvroute demo --engine vllm`'s fleet: ``count`` real vLLM replicas of the tiny model
     (replica/vllm_fleet.py).  Building it starts nothing; real engines keep their own speed, so
     ``time_scale`` paces only the demo's workload and ``profile`` does not apply."""
-    from .vllm_fleet import VllmDemoFleet  # it imports this module
+    from kvroute.replica.vllm_fleet import VllmDemoFleet  # it imports this module
 
     return VllmDemoFleet(count, model=model, time_scale=time_scale, profile=profile)

@@ -26,10 +26,10 @@ from typing import IO
 
 import aiohttp
 
-from kvroute.common.registry import KeptRegistration, ReplicaRecord
+from kvroute.common.registration import KeptRegistration, ReplicaRecord
 from kvroute.common.scrape import ScrapeResult, parse_vllm_metrics
 
-from .vllm import VllmReplicaConfig, build_command, build_env
+from kvroute.replica.vllm import VllmReplicaConfig, build_command, build_env
 
 log = logging.getLogger(__name__)
 

@@ -38,27 +38,27 @@ from kvroute.common.responses import parse_responses
 from kvroute.common.tokens import ClientTemplates, TokenizerRegistry
 from kvroute.common.tokens.memory import keep_large_buffers_mapped
 
-from .access_log import AccessLog, trail_of
-from .body import BodyReader
-from .config import RouterSettings
-from .cutoff import RequestCutoff
-from .fleet import Fleet, Replica, ReplicaStatus
-from .index.base import PrefixIndex
-from .index.client import IndexClient
-from .index.memory import MemoryIndex
-from .kvevents import KVEventSubscriber
-from .kvevents.metrics import KVEventsStateCollector
-from .load import LoadTracker
-from .metrics import CONTENT_TYPE, RouterMetrics
-from .policy import make_policy
-from .proxy import Outcome, Proxy, Timeouts, make_upstream_pool, make_upstream_session
-from .response_memory import ResponseMemory
-from .reconcile import EngineCacheCounters
-from .reuse import ReuseTracker
-from .routing import Router
-from .server import ClientAppRunner, ClientLimits, announce_close, count_timeouts
-from .worker_metrics import WorkerMetrics
-from .workers import WorkerRole
+from kvroute.router.edge.access_log import AccessLog, trail_of
+from kvroute.router.edge.body import BodyReader
+from kvroute.router.config import RouterSettings
+from kvroute.router.edge.cutoff import RequestCutoff
+from kvroute.router.fleet.membership import Fleet, Replica, ReplicaStatus
+from kvroute.router.index.base import PrefixIndex
+from kvroute.router.index.client import IndexClient
+from kvroute.router.index.memory import MemoryIndex
+from kvroute.router.fleet.kvevents import KVEventSubscriber
+from kvroute.router.fleet.kvevents.metrics import KVEventsStateCollector
+from kvroute.router.placement.load import LoadTracker
+from kvroute.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvroute.router.placement.policy import make_policy
+from kvroute.router.forwarding.proxy import Outcome, Proxy, Timeouts, make_upstream_pool, make_upstream_session
+from kvroute.router.request.response_memory import ResponseMemory
+from kvroute.router.fleet.engine_counters import EngineCacheCounters
+from kvroute.router.request.reuse import ReuseTracker
+from kvroute.router.request.route import Router
+from kvroute.router.edge.server import ClientAppRunner, ClientLimits, announce_close, count_timeouts
+from kvroute.router.worker_metrics import WorkerMetrics
+from kvroute.router.workers import WorkerRole
 
 log = logging.getLogger("kvroute.router")
 
@@ -232,7 +232,7 @@ class RouterApp:
     def _make_index(self) -> PrefixIndex:
         s = self.settings
         if s.redis_url:
-            from .index.redis_index import RedisIndex
+            from kvroute.router.index.redis_index import RedisIndex
 
             return RedisIndex(
                 s.redis_url,

@@ -42,11 +42,11 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from .discovery import ReplicaEntry, entry_url
-from .fleet import FleetSettings
-from .policy import POLICIES
-from .settings_cli import cli_source
-from .settings_cli import hint as _hint
+from kvroute.router.fleet.discovery import ReplicaEntry, entry_url
+from kvroute.router.fleet.membership import FleetSettings
+from kvroute.router.placement.policy import POLICIES
+from kvroute.router.settings_cli import cli_source
+from kvroute.router.settings_cli import hint as _hint
 
 # The config file of the settings being built (the sources hook is a classmethod: no instance yet).
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("kvroute_config_file", default=None)

@@ -19,9 +19,9 @@ from pydantic import ValidationError
 
 from kvroute.common.logs import configure_logging
 
-from .app import RouterApp
-from .config import RouterSettings, load_settings
-from .workers import WorkerRole, supervise
+from kvroute.router.app import RouterApp
+from kvroute.router.config import RouterSettings, load_settings
+from kvroute.router.workers import WorkerRole, supervise
 
 log = logging.getLogger("kvroute.router")
 

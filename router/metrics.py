@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .index.metrics import IndexMetrics
-from .worker_metrics import MULTIPROCESS, PublishedCollector, remove_series, render_workers
+from kvroute.router.index.metrics import IndexMetrics
+from kvroute.router.worker_metrics import MULTIPROCESS, PublishedCollector, remove_series, render_workers
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER_CLIENT = "other"

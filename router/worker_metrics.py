@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from .aio import cancel_and_wait
+from kvroute.router.aio import cancel_and_wait
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # prometheus-client picks where values live when it is imported: files iff the variable was set

@@ -36,9 +36,9 @@ from multiprocessing.process import BaseProcess
 
 from prometheus_client.multiprocess import mark_process_dead
 
-from .config import RouterSettings
-from .fleet import Fleet
-from .worker_metrics import MULTIPROC_ENV
+from kvroute.router.config import RouterSettings
+from kvroute.router.fleet.membership import Fleet
+from kvroute.router.worker_metrics import MULTIPROC_ENV
 
 log = logging.getLogger("kvroute.router.workers")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .base import ReplicaSpec
+from kvroute.router.index.base import ReplicaSpec
 
 
 class ReferenceIndex:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.router.breaker import CircuitBreaker
+from kvroute.router.fleet.breaker import CircuitBreaker
 
 
 class Clock:

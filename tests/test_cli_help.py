@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.router.config import load_settings
-from kvroute.router.policy import POLICIES
+from kvroute.router.placement.policy import POLICIES
 
 REPO = Path(__file__).resolve().parents[1]
 # A value named after its Python type, as pydantic-settings prints it: `{str,None}`, `dict[str,str]`,

@@ -674,7 +674,7 @@ def value_paths(values: dict, prefix: str = "", free: tuple[str, ...] = ()) -> s
 
 
 def test_the_schema_covers_every_value_and_lists_the_router_policies():
-    from kvroute.router.policy import POLICIES
+    from kvroute.router.placement.policy import POLICIES
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
@@ -754,7 +754,7 @@ def test_byo_service_environment_is_valid_router_settings(monkeypatch):
 
 
 def test_byo_selector_environment_is_valid_router_settings(monkeypatch):
-    from kvroute.router.fleet import FleetSettings
+    from kvroute.router.fleet.membership import FleetSettings
 
     kinds = helm_template_values(CI_VALUES["byo-selector"])
     env = literal_env(router_of(kinds)["spec"]["template"]["spec"]["containers"][0])

@@ -628,7 +628,7 @@ async def test_cli_registers_in_redis_and_routers_follow_its_events(http, redis_
 
     from kvroute.router.app import RouterApp
     from kvroute.router.config import RouterSettings
-    from kvroute.common.registry import list_replicas
+    from kvroute.common.registration import list_replicas
 
     port, events_port, replay_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(

@@ -25,8 +25,8 @@ from kvroute.replica.emulated.publisher import KVEventPublisher
 from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 from kvroute.router.app import RouterApp
 from kvroute.router.config import load_settings
-from kvroute.router.discovery import EventEndpointResolver, ReplicaEntry
-from kvroute.common.registry import KeptRegistration, ReplicaRecord
+from kvroute.router.fleet.discovery import EventEndpointResolver, ReplicaEntry
+from kvroute.common.registration import KeptRegistration, ReplicaRecord
 from tests.conftest import free_port
 from tests.router_support import MODEL, TINY_TOKENIZER, running_router, scrape, started, total
 

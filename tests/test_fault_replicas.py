@@ -131,7 +131,7 @@ async def test_a_replica_that_leaves_leaves_no_series_or_state_behind(redis_url,
     # state must go with it, or a long-lived router grows with every restart of the fleet.
     import redis.asyncio as aioredis
 
-    from kvroute.common.registry import ReplicaRecord, keep_registered
+    from kvroute.common.registration import ReplicaRecord, keep_registered
 
     async with emulated_replicas(2) as (kept, lapsing):
         client = aioredis.Redis.from_url(redis_url)

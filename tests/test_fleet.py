@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvroute.router.discovery import address_url, normalize_url, select_addresses
-from kvroute.router.fleet import Fleet, FleetSettings
+from kvroute.router.fleet.discovery import address_url, normalize_url, select_addresses
+from kvroute.router.fleet.membership import Fleet, FleetSettings
 from kvroute.router.index.memory import MemoryIndex
-from kvroute.common.registry import ReplicaRecord, keep_registered, register
+from kvroute.common.registration import ReplicaRecord, keep_registered, register
 from kvroute.common.scrape import parse_vllm_metrics
 from tests.conftest import free_port
 
@@ -387,7 +387,7 @@ async def test_status_exposes_plain_data(replicas, fleets):
     fleet = await fleets(replicas=[a.url])
     [s] = fleet.status()
     assert (s.name, s.healthy, s.draining, s.breaker_state) == (a.url, True, False, "closed")
-    # the router's own load is not the fleet's to know (kvroute.router.load owns it; the app joins them)
+    # the router's own load is not the fleet's to know (kvroute.router.placement.load owns it; the app joins them)
     assert (s.in_flight, s.queued_prefill_tokens, s.running) == (0, 0, 2)
     assert s.models == ["m1"] and s.capacity_blocks == 1000 and s.scrape_age_s is not None
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvroute.common.blocks import HASH_SCHEME
 from kvroute.router.index import MemoryIndex, PrefixIndex, RedisIndex, ReplicaSpec, memory
-from kvroute.router.index.reference import ReferenceIndex
+from tests.index_reference import ReferenceIndex
 
 CHAIN = [0xFFFF_FFFF_FFFF_FFFF - i for i in range(12)]  # near 2**64: the encoding must be unsigned
 OTHER_CHAIN = list(range(1000, 1012))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
-from kvroute.router.discovery import K8sSource
-from kvroute.router.discovery import k8s as k8s_module
+from kvroute.router.fleet.discovery import K8sSource
+from kvroute.router.fleet.discovery import k8s as k8s_module
 from tests.kube_api import KubeApiServer, go_bool, make_pod, self_signed_tls
 from tests.router_support import MODEL, openai_client, running_router, scrape, total
 from tests.test_fleet import until

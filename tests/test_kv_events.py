@@ -25,12 +25,12 @@ from prometheus_client import CollectorRegistry
 from kvroute.replica.emulated.publisher import BlockRemoved, BlockStored, KVEventPublisher
 from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 from kvroute.common.blocks import block_hashes, namespace_seed
-from kvroute.router.fleet import Fleet, FleetSettings
+from kvroute.router.fleet.membership import Fleet, FleetSettings
 from kvroute.router.index import IndexClient, MemoryIndex, RedisIndex, ReplicaSpec
 from kvroute.router.index.base import PrefixIndex
-from kvroute.router.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber, WireError
-from kvroute.router.kvevents import wire
-from kvroute.common.registry import ReplicaRecord, deregister, register
+from kvroute.router.fleet.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber, WireError
+from kvroute.router.fleet.kvevents import wire
+from kvroute.common.registration import ReplicaRecord, deregister, register
 from kvroute.common.tokens import Tokenizer
 from tests.conftest import free_port
 from tests.router_support import own_redis

@@ -1,6 +1,6 @@
 """The KV-event batch numbering on its own (router/kvevents/sequence.py): no sockets needed."""
 
-from kvroute.router.kvevents.sequence import BatchSequence
+from kvroute.router.fleet.kvevents.sequence import BatchSequence
 
 
 def test_a_fresh_sequence_takes_whatever_comes_then_expects_the_next():
@@ -51,8 +51,8 @@ async def _writer_with(index):
     from prometheus_client import CollectorRegistry
 
     from kvroute.router.index.client import as_client
-    from kvroute.router.kvevents.index_writer import IndexWriter
-    from kvroute.router.kvevents.metrics import KVEventMetrics
+    from kvroute.router.fleet.kvevents.index_writer import IndexWriter
+    from kvroute.router.fleet.kvevents.metrics import KVEventMetrics
 
     return IndexWriter("r", as_client(index), KVEventMetrics(CollectorRegistry()))
 

@@ -73,15 +73,15 @@ def test_the_contracts_hold(layout):
 
 @pytest.mark.parametrize(("module", "line", "broken", "says"), [
     # the router reaches up into the benchmarks
-    ("kvroute.router.fleet", "from kvroute.bench.processes import stop_all", ["Layers"],
-     "kvroute.router.fleet -> kvroute.bench.processes"),
+    ("kvroute.router.fleet.membership", "from kvroute.bench.processes import stop_all", ["Layers"],
+     "kvroute.router.fleet.membership -> kvroute.bench.processes"),
     # the base imports the router: no longer below both sides, so the replica, which imports the
     # base, reaches the router through it
-    ("kvroute.common.blocks", "import kvroute.router.load", ["Layers", "independent"],
-     "kvroute.common.blocks -> kvroute.router.load"),
+    ("kvroute.common.blocks", "import kvroute.router.placement.load", ["Layers", "independent"],
+     "kvroute.common.blocks -> kvroute.router.placement.load"),
     # the emulated replica parses with the router's own code
-    ("kvroute.replica.emulated.handlers", "from kvroute.router.routing import Router", ["Layers", "independent"],
-     "kvroute.replica.emulated.handlers -> kvroute.router.routing"),
+    ("kvroute.replica.emulated.handlers", "from kvroute.router.request.route import Router", ["Layers", "independent"],
+     "kvroute.replica.emulated.handlers -> kvroute.router.request.route"),
     # the router service imports its process entry back: a circle within kvroute.router
     ("kvroute.router.app", "from kvroute.router.main import serve", ["No circles"],
      "No cycles are allowed in kvroute.router"),

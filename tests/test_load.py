@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvroute.router.load import RATE_EWMA_ALPHA, RATE_STALE_S, LoadTracker
+from kvroute.router.placement.load import RATE_EWMA_ALPHA, RATE_STALE_S, LoadTracker
 
 
 def test_in_flight_and_queued_tokens_follow_the_request_lifecycle():

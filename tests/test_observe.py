@@ -387,7 +387,7 @@ class Load:
 async def register_replicas(prefix: str, records: list[Any]) -> None:
     import redis.asyncio as aioredis
 
-    from kvroute.common.registry import register
+    from kvroute.common.registration import register
 
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
@@ -516,7 +516,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         # Router A learns the `tiny` and `quiet` replicas and their KV-event endpoints from Redis,
         # as a launcher registers them; the events of `broken` come from the lossy publisher, those
         # of `lagging` (a healthy replica no request is sent to) from the late one.
-        from kvroute.common.registry import ReplicaRecord
+        from kvroute.common.registration import ReplicaRecord
 
         records = [ReplicaRecord(url=rep.url, model=rep.model, events_endpoint=rep.events_endpoint,
                                  replay_endpoint=rep.replay_endpoint, block_size=rep.block_size, engine="emulated")

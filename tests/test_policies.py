@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.router.policy import ALL, BASELINES, POLICIES, Policy, ReplicaState, RouteRequest, make_policy
-from kvroute.router.policy.chwbl import ChwblPolicy, load_ok
-from kvroute.router.policy.cost_model import CostModelPolicy, SessionBook
-from kvroute.router.policy.prefix_heat import PrefixHeat
-from kvroute.router.policy.sglang_cache_aware import ApproxRadixTree, SglangCacheAwarePolicy, shared_prefix_len
+from kvroute.router.placement.policy import ALL, BASELINES, POLICIES, Policy, ReplicaState, RouteRequest, make_policy
+from kvroute.router.placement.policy.chwbl import ChwblPolicy, load_ok
+from kvroute.router.placement.policy.cost_model import CostModelPolicy, SessionBook
+from kvroute.router.placement.policy.prefix_heat import PrefixHeat
+from kvroute.router.placement.policy.sglang_cache_aware import ApproxRadixTree, SglangCacheAwarePolicy, shared_prefix_len
 
 BS = 16
 

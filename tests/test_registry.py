@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from kvroute.common.registry import (
+from kvroute.common.registration import (
     ReplicaRecord,
     deregister,
     heartbeat,

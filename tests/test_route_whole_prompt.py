@@ -20,8 +20,8 @@ import numpy as np
 
 from kvroute.bench.chat_text import chat_text
 from kvroute.common.blocks import block_hashes, namespace_seed
-from kvroute.router.policy.base import RouteRequest
-from kvroute.router.proxy import Outcome, Usage
+from kvroute.router.placement.policy.base import RouteRequest
+from kvroute.router.forwarding.proxy import Outcome, Usage
 from kvroute.common.requests import parse_request
 from tests.router_support import MODEL, TINY_TOKENIZER, emulated_replicas, running_router
 from kvroute.common.tokens import Tokenizer

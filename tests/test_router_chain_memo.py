@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.common.blocks import block_hashes, namespace_seed, token_bytes
-from kvroute.router.chain_memo import ChainMemo
+from kvroute.router.request.chain_memo import ChainMemo
 
 
 @settings(max_examples=60, deadline=None)

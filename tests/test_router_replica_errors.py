@@ -10,7 +10,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from kvroute.router.replica_errors import normalize_error_body
+from kvroute.router.forwarding.replica_errors import normalize_error_body
 from tests.router_support import MODEL, ScriptedReplica, openai_client, running_router
 
 MSGS = [{"role": "user", "content": "hello"}]

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from kvroute.common.requests import ParsedRequest
-from kvroute.router.response_memory import ResponseMemory
+from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.common.responses import parse_responses
 from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, sample, scrape
 

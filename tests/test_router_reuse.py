@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvroute.common.blocks import block_hashes, namespace_seed
-from kvroute.router.reuse import SAMPLE, SMALL_TOKENS, WINDOW, ReuseTracker, fingerprints, small_fingerprints
+from kvroute.router.request.reuse import SAMPLE, SMALL_TOKENS, WINDOW, ReuseTracker, fingerprints, small_fingerprints
 
 BS = 16
 SEED = namespace_seed("m")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvroute.common.blocks import block_hashes, namespace_seed
-from kvroute.router.breaker import CircuitBreaker
-from kvroute.router.fleet import Replica
-from kvroute.router.routing import adapter_of, approximate_token_bytes, chat_text, client_label, tenant_salt
+from kvroute.router.fleet.breaker import CircuitBreaker
+from kvroute.router.fleet.membership import Replica
+from kvroute.router.request.route import adapter_of, approximate_token_bytes, chat_text, client_label, tenant_salt
 
 
 def _replica(cards: list[dict]) -> Replica:
@@ -59,11 +59,11 @@ def test_placement_chooses_again_when_the_pick_cannot_be_claimed():
     # Round robin picks b second; b is half-open and its trial was taken meanwhile (claim refuses):
     # the request goes to another replica instead, and nothing is booked on b.
     from kvroute.router.index.memory import MemoryIndex
-    from kvroute.router.load import LoadTracker
+    from kvroute.router.placement.load import LoadTracker
     from kvroute.router.index.client import IndexClient
-    from kvroute.router.placement import Placement
-    from kvroute.router.policy.base import ReplicaState, RouteRequest
-    from kvroute.router.policy.round_robin import RoundRobinPolicy
+    from kvroute.router.placement.sequence import Placement
+    from kvroute.router.placement.policy.base import ReplicaState, RouteRequest
+    from kvroute.router.placement.policy.round_robin import RoundRobinPolicy
 
     load = LoadTracker()
     claimed: list[str] = []

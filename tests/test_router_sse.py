@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from kvroute.router.proxy import SseRelay, _nodelay, normalize_error_body
+from kvroute.router.forwarding.proxy import SseRelay, _nodelay, normalize_error_body
 
 
 def _event(obj) -> bytes:

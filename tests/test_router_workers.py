@@ -222,7 +222,7 @@ async def test_without_redis_every_worker_follows_the_kv_events(redis_url, redis
     import redis.asyncio as aioredis
 
     from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
-    from kvroute.common.registry import ReplicaRecord, register
+    from kvroute.common.registration import ReplicaRecord, register
 
     reps = []
     for _ in range(3):

@@ -14,7 +14,7 @@ from kvroute.bench.sim import METRIC_KEYS, FleetConfig, FleetSim, drive, offered
 from kvroute.bench.workloads import ConversationConfig, SessionsConfig, build_workload
 from kvroute.replica.emulated.engine import EmulatedEngine, EngineRequest
 from kvroute.replica.emulated.profile import DEFAULT_PROFILE, PROFILES
-from kvroute.router.policy import make_policy
+from kvroute.router.placement.policy import make_policy
 
 BS = DEFAULT_PROFILE.block_size
 

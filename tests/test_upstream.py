@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvroute.router.upstream import (
+from kvroute.router.forwarding.upstream import (
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,

@@ -12,9 +12,9 @@
     errors.py           the errors
 """
 
-from .chat_template import ContentFormat, RenderJob, detect_content_format, normalize_messages, normalize_tools, render
-from .client_templates import ClientTemplates
-from .errors import (
+from kvroute.common.tokens.chat_template import ContentFormat, RenderJob, detect_content_format, normalize_messages, normalize_tools, render
+from kvroute.common.tokens.client_templates import ClientTemplates
+from kvroute.common.tokens.errors import (
     ChatTemplateError,
     ClientTemplateRefused,
     PromptTooLong,
@@ -23,9 +23,9 @@ from .errors import (
     TokenizerNotFoundError,
     UnsupportedContentError,
 )
-from .registry import TokenizerRegistry
-from .segments import CacheStats, SegmentCache
-from .tokenizer import Tokenizer
+from kvroute.common.tokens.registry import TokenizerRegistry
+from kvroute.common.tokens.segments import CacheStats, SegmentCache
+from kvroute.common.tokens.tokenizer import Tokenizer
 
 __all__ = [
     "CacheStats",

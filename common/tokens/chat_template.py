@@ -22,7 +22,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import ChatTemplateError, UnsupportedContentError
+from kvroute.common.tokens.errors import ChatTemplateError, UnsupportedContentError
 
 ContentFormat = Literal["auto", "string", "openai"]
 

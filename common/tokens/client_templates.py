@@ -19,9 +19,9 @@ from typing import Any
 
 import msgspec
 
-from .chat_template import ChatTemplateError, RenderJob
-from .errors import ClientTemplateRefused
-from .template_worker import HEADER  # the wire format is defined by the worker
+from kvroute.common.tokens.chat_template import ChatTemplateError, RenderJob
+from kvroute.common.tokens.errors import ClientTemplateRefused
+from kvroute.common.tokens.template_worker import HEADER  # the wire format is defined by the worker
 
 log = logging.getLogger(__name__)
 

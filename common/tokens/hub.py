@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import TokenizerNotFoundError
-from .loading import TOKENIZER_FILES
+from kvroute.common.tokens.errors import TokenizerNotFoundError
+from kvroute.common.tokens.loading import TOKENIZER_FILES
 
 
 def hub_model_id(spec: str | os.PathLike[str]) -> tuple[str, str | None] | None:

@@ -17,7 +17,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.processors import TemplateProcessing
 
-from .errors import TokenizerLoadError, TokenizerNotFoundError
+from kvroute.common.tokens.errors import TokenizerLoadError, TokenizerNotFoundError
 
 # Every file read_dir reads: what is fetched of a Hugging Face model given by id (common/tokens/hub.py).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template", "chat_template.json")

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import PromptTooLong
+from kvroute.common.tokens.errors import PromptTooLong
 
 CHUNK_CHARS = 1 << 17  # 131,072 characters: ~13 MB of tokenizers' transient memory each
 SEAM_WINDOW = 512

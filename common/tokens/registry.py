@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .client_templates import ClientTemplates
-from .hub import hub_model_id, tokenizer_dir
-from .tokenizer import Tokenizer
+from kvroute.common.tokens.client_templates import ClientTemplates
+from kvroute.common.tokens.hub import hub_model_id, tokenizer_dir
+from kvroute.common.tokens.tokenizer import Tokenizer
 
 
 class TokenizerRegistry:

@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenizers import AddedToken
 
-from ..blocks import token_bytes
+from kvroute.common.blocks import token_bytes
 
 DEFAULT_CACHE_MAX_CHARS = 8_000_000
 DEFAULT_CACHE_MAX_ENTRIES = 200_000

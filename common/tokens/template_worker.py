@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from .chat_template import ChatTemplateError, OutputTooLarge, RenderJob, render
+from kvroute.common.tokens.chat_template import ChatTemplateError, OutputTooLarge, RenderJob, render
 
 HEADER = struct.Struct(">I")
 # Address space of the worker: its interpreter and imports map ~160 MB, the rest is

@@ -45,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tokenizers import Tokenizer as HfTokenizer  # noqa: E402
 
-from .chat_template import (  # noqa: E402
+from kvroute.common.tokens.chat_template import (  # noqa: E402
     ContentFormat,
     RenderJob,
     chat_size,
@@ -55,12 +55,12 @@ from .chat_template import (  # noqa: E402
     prepare_render,
     render,
 )
-from .client_templates import ClientTemplates  # noqa: E402
-from .errors import ChatTemplateError, PromptTooLong  # noqa: E402
-from .loading import add_missing_special_tokens, install_post_processor, read_dir, special_tokens_of  # noqa: E402
-from .long_text import encode_long, is_long  # noqa: E402
-from .memory import release_free_memory  # noqa: E402
-from .segments import (  # noqa: E402
+from kvroute.common.tokens.client_templates import ClientTemplates  # noqa: E402
+from kvroute.common.tokens.errors import ChatTemplateError, PromptTooLong  # noqa: E402
+from kvroute.common.tokens.loading import add_missing_special_tokens, install_post_processor, read_dir, special_tokens_of  # noqa: E402
+from kvroute.common.tokens.long_text import encode_long, is_long  # noqa: E402
+from kvroute.common.tokens.memory import release_free_memory  # noqa: E402
+from kvroute.common.tokens.segments import (  # noqa: E402
     DEFAULT_CACHE_MAX_CHARS,
     DEFAULT_CACHE_MAX_ENTRIES,
     SegmentCache,
@@ -182,7 +182,7 @@ class Tokenizer:
     @classmethod
     def load(cls, spec: str | os.PathLike[str], **kwargs: Any) -> Tokenizer:
         """A tokenizer from a directory or a Hugging Face model id (:mod:`kvroute.common.tokens.hub`)."""
-        from .hub import hub_model_id, tokenizer_dir
+        from kvroute.common.tokens.hub import hub_model_id, tokenizer_dir
 
         if hub_model_id(spec) is not None:
             kwargs.setdefault("name", str(spec))

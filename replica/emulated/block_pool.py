@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice, takewhile
 
-from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvroute.replica.emulated.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 NULL_BLOCK = 0  # never handed out, never freed (vLLM's placeholder block)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from kvroute.common.blocks import block_hashes, namespace_seed
 
-from .engine import EmulatedEngine, EngineRequest, EngineUpdate
-from .event_wire import EventWire
-from .vllm_metrics import ReplicaMetrics
+from kvroute.replica.emulated.engine import EmulatedEngine, EngineRequest, EngineUpdate
+from kvroute.replica.emulated.event_wire import EventWire
+from kvroute.replica.emulated.vllm_metrics import ReplicaMetrics
 
 log = logging.getLogger("kvroute.replica")
 

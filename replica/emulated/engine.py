@@ -46,9 +46,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .block_pool import BlockPool
-from .kv_events import KVEvent
-from .profile import TimingProfile
+from kvroute.replica.emulated.block_pool import BlockPool
+from kvroute.replica.emulated.kv_events import KVEvent
+from kvroute.replica.emulated.profile import TimingProfile
 
 _WAITING, _RUNNING, _DONE = 0, 1, 2
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import kv_events
-from .publisher import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher, WireEvent
+from kvroute.replica.emulated.publisher import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher, WireEvent
 
 
 class EventWire:

@@ -24,11 +24,11 @@ from kvroute.common.requests import decode_json_object, parse_request, prompt_ba
 from kvroute.common.responses import chat_messages, input_messages, parse_responses
 from kvroute.common.tokens import ChatTemplateError, Tokenizer
 
-from .driver import EngineDriver, Generation
-from .filler import Filler
-from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .vllm_metrics import ReplicaMetrics
-from .vllm_protocol import (SSE_DONE, ChatShapes, CompletionShapes, ReplicaError, ResponsesShapes, Shapes, dumps,
+from kvroute.replica.emulated.driver import EngineDriver, Generation
+from kvroute.replica.emulated.filler import Filler
+from kvroute.replica.emulated.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvroute.replica.emulated.vllm_metrics import ReplicaMetrics
+from kvroute.replica.emulated.vllm_protocol import (SSE_DONE, ChatShapes, CompletionShapes, ReplicaError, ResponsesShapes, Shapes, dumps,
                             error_middleware, response_usage, sse, usage)
 
 log = logging.getLogger("kvroute.replica")

@@ -27,13 +27,13 @@ from aiohttp import web
 from kvroute.replica.assets import TINY_TOKENIZER
 from kvroute.common.tokens import Tokenizer
 
-from .driver import EngineDriver, VirtualClock
-from .engine import EmulatedEngine
-from .event_wire import EventWire
-from .handlers import ReplicaHandlers
-from .profile import DEFAULT_PROFILE, PROFILES, TimingProfile
-from .publisher import KVEventPublisher
-from .vllm_metrics import ReplicaMetrics, cache_config_labels
+from kvroute.replica.emulated.driver import EngineDriver, VirtualClock
+from kvroute.replica.emulated.engine import EmulatedEngine
+from kvroute.replica.emulated.event_wire import EventWire
+from kvroute.replica.emulated.handlers import ReplicaHandlers
+from kvroute.replica.emulated.profile import DEFAULT_PROFILE, PROFILES, TimingProfile
+from kvroute.replica.emulated.publisher import KVEventPublisher
+from kvroute.replica.emulated.vllm_metrics import ReplicaMetrics, cache_config_labels
 
 SHUTDOWN_GRACE_S = 1.0  # in-flight requests finish within this on stop(), else are cut
 DEFAULT_MAX_MODEL_LEN = 32768

@@ -24,8 +24,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .proxy import Outcome
-from .routing import RouteDecision
+from kvroute.router.forwarding.proxy import Outcome
+from kvroute.router.request.route import RouteDecision
 
 log = logging.getLogger("kvroute.access")
 

@@ -17,7 +17,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvroute.common.errors import ApiError
 
-from .server import close_after_answer
+from kvroute.router.edge.server import close_after_answer
 
 
 class BodyReader:

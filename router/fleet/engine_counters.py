@@ -31,8 +31,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvroute.common.scrape import ScrapeResult
 
-from .fleet import Fleet, FleetEvent, Replica
-from .worker_metrics import remove_series
+from kvroute.router.fleet.membership import Fleet, FleetEvent, Replica
+from kvroute.router.worker_metrics import remove_series
 
 QUERIES = "vllm:prefix_cache_queries"  # as ScrapeResult.counters names them (no _total)
 HITS = "vllm:prefix_cache_hits"

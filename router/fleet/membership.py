@@ -1,7 +1,7 @@
 """The router's view of its replicas: where they come from, whether they are up, how loaded
 (docs/design.md §7.3).
 
-Discovery merges the listings of its sources (``kvroute.router.discovery``: a static list, Redis
+Discovery merges the listings of its sources (``kvroute.router.fleet.discovery``: a static list, Redis
 registrations, a DNS name, Kubernetes pods by label selector), any of which may be combined.
 
 Every health interval each replica's ``/health`` is probed (and at once after a request to it
@@ -27,14 +27,14 @@ import aiohttp
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from kvroute.common.registry import ReplicaRecord
+from kvroute.common.registration import ReplicaRecord
 from kvroute.common.scrape import ScrapeResult
 
-from .aio import cancel_and_wait
-from .breaker import BreakerState, CircuitBreaker
-from .index.base import PrefixIndex, ReplicaSpec
-from .index.client import IndexClient, as_client
-from .discovery import (
+from kvroute.router.aio import cancel_and_wait
+from kvroute.router.fleet.breaker import BreakerState, CircuitBreaker
+from kvroute.router.index.base import PrefixIndex, ReplicaSpec
+from kvroute.router.index.client import IndexClient, as_client
+from kvroute.router.fleet.discovery import (
     DiscoveryMetrics,
     DiscoverySource,
     DnsSource,
@@ -47,10 +47,10 @@ from .discovery import (
     StaticSource,
     entry_url,
 )
-from .probes import ReplicaProbes
-from .fleet_settings import FleetSettings
+from kvroute.router.fleet.probes import ReplicaProbes
+from kvroute.router.fleet.settings import FleetSettings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvroute.router.fleet")
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
 FleetEvent = Literal["joined", "left", "up", "down", "restarted", "changed"]
@@ -121,7 +121,7 @@ class ReplicaStatus:
     kv_events: KVEventsState
     health_failures: int
     scrape_age_s: float | None
-    # this router's own load there (kvroute.router.load owns it; the app fills it in)
+    # this router's own load there (kvroute.router.placement.load owns it; the app fills it in)
     in_flight: int = 0
     queued_prefill_tokens: int = 0
 

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .discovery import ReplicaEntry
-from .settings_cli import hint
+from kvroute.router.fleet.discovery import ReplicaEntry
+from kvroute.router.settings_cli import hint
 
 
 class FleetSettings(BaseModel):

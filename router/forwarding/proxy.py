@@ -38,9 +38,9 @@ from aiohttp import web
 
 from kvroute.common.errors import ApiError, sse_error_event
 
-from .aio import set_nodelay
-from .replica_errors import error_payload, normalize_error_body
-from .upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse
+from kvroute.router.aio import set_nodelay
+from kvroute.router.forwarding.replica_errors import error_payload, normalize_error_body
+from kvroute.router.forwarding.upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("kvroute.router")
 

@@ -29,7 +29,7 @@ import ssl
 from collections.abc import Mapping
 from urllib.parse import quote, urlsplit
 
-from .aio import set_nodelay
+from kvroute.router.aio import set_nodelay
 
 MAX_HEAD_BYTES = 64 * 1024  # status line + headers; a larger head is malformed
 MAX_CHUNK_LINE = 4096  # a chunk-size line (with extensions) or a trailer line

@@ -35,9 +35,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvroute.router.aio import cancel_and_wait
 
-from .base import PrefixIndex, ReplicaSpec
-from .memory import MemoryIndex
-from .metrics import IndexMetrics
+from kvroute.router.index.base import PrefixIndex, ReplicaSpec
+from kvroute.router.index.memory import MemoryIndex
+from kvroute.router.index.metrics import IndexMetrics
 
 log = logging.getLogger("kvroute.index")
 

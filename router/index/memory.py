@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate, compress, islice, repeat
 from operator import and_, is_not, itemgetter, neg, or_
 
-from .base import PrefixIndex, ReplicaSpec
+from kvroute.router.index.base import PrefixIndex, ReplicaSpec
 
 # An entry's value is its expiry time; these two mark entries that never expire.
 CONFIRMED = -1.0

@@ -42,7 +42,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvroute.common.blocks import HASH_SCHEME
 
-from .base import PrefixIndex, ReplicaSpec
+from kvroute.router.index.base import PrefixIndex, ReplicaSpec
 
 # Keys outlive the last write or refresh by this much: a live router refreshes them every second
 # or so, so it only matters once every router sharing the index has gone (or forgot a replica).

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from .load import LoadTracker
-from .policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.load import LoadTracker
+from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
 
 
 Replicas = Sequence[ReplicaState]  # the eligible ones, as snapshots

@@ -40,16 +40,16 @@ from kvroute.common.errors import ApiError
 from kvroute.common.requests import ParsedRequest, prompt_batch
 from kvroute.common.tokens import ClientTemplateRefused, PromptTooLong, TokenizerError, TokenizerRegistry
 
-from .chain_memo import ChainMemo
-from .config import RouterSettings
-from .fleet import Fleet, Replica, card_parent
-from .index.client import IndexClient
-from .load import LoadTracker
-from .metrics import RouterMetrics
-from .placement import Placement, snapshot
-from .policy.base import Policy, ReplicaState, RouteRequest
-from .proxy import Outcome
-from .reuse import ReuseTracker
+from kvroute.router.request.chain_memo import ChainMemo
+from kvroute.router.config import RouterSettings
+from kvroute.router.fleet.membership import Fleet, Replica, card_parent
+from kvroute.router.index.client import IndexClient
+from kvroute.router.placement.load import LoadTracker
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.placement.sequence import Placement, snapshot
+from kvroute.router.placement.policy.base import Policy, ReplicaState, RouteRequest
+from kvroute.router.forwarding.proxy import Outcome
+from kvroute.router.request.reuse import ReuseTracker
 
 log = logging.getLogger("kvroute.router")
 

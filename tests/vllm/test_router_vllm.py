@@ -39,7 +39,7 @@ from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 from kvroute.router.app import RouterApp
 from kvroute.common.blocks import block_hashes, hash_block, namespace_seed
 from kvroute.router.config import load_settings
-from kvroute.router.kvevents.metrics import LAG_BUCKETS
+from kvroute.router.fleet.kvevents.metrics import LAG_BUCKETS
 from kvroute.common.scrape import parse_vllm_metrics
 from kvroute.common.tokens import Tokenizer
 from tests.router_support import scrape, total

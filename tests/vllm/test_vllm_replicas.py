@@ -25,7 +25,7 @@ import redis
 import redis.asyncio as aioredis
 import zmq
 
-from kvroute.common.registry import list_replicas, record_key
+from kvroute.common.registration import list_replicas, record_key
 from kvroute.common.scrape import parse_vllm_metrics
 from kvroute.common.tokens import Tokenizer
 from kvroute.replica import tiny_model

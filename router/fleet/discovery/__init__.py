@@ -8,13 +8,13 @@ answer, so a Redis or DNS blip never empties the fleet.  ``event_endpoints`` say
 replica's KV events are, whichever source found it.
 """
 
-from .base import DiscoverySource, Listing, Source, normalize_url
-from .dns import DnsSource, address_url, select_addresses
-from .event_endpoints import EventEndpointResolver, EventEndpoints, ReplicaEntry, entry_url
-from .k8s import K8sSource
-from .metrics import DiscoveryMetrics
-from .redis_source import RedisSource
-from .static import StaticSource
+from kvroute.router.fleet.discovery.base import DiscoverySource, Listing, Source, normalize_url
+from kvroute.router.fleet.discovery.dns import DnsSource, address_url, select_addresses
+from kvroute.router.fleet.discovery.event_endpoints import EventEndpointResolver, EventEndpoints, ReplicaEntry, entry_url
+from kvroute.router.fleet.discovery.k8s import K8sSource
+from kvroute.router.fleet.discovery.metrics import DiscoveryMetrics
+from kvroute.router.fleet.discovery.redis_source import RedisSource
+from kvroute.router.fleet.discovery.static import StaticSource
 
 __all__ = [
     "DiscoveryMetrics",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from typing import Literal
 
-from kvroute.common.registry import ReplicaRecord
+from kvroute.common.registration import ReplicaRecord
 
 Source = Literal["static", "redis", "dns", "k8s"]
 # the replicas a source lists now, by base URL, with their registration where the source has one

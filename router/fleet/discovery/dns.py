@@ -8,7 +8,7 @@ import logging
 import socket
 from typing import Any
 
-from .base import DiscoverySource, Listing
+from kvroute.router.fleet.discovery.base import DiscoverySource, Listing
 
 log = logging.getLogger("kvroute.router.fleet")
 

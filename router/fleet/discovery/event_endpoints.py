@@ -19,9 +19,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from kvroute.common.registry import ReplicaRecord
+from kvroute.common.registration import ReplicaRecord
 
-from .base import normalize_url
+from kvroute.router.fleet.discovery.base import normalize_url
 
 log = logging.getLogger("kvroute.router.fleet")
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import aiohttp
 
-from .base import DiscoverySource, Listing
-from .dns import address_url
-from .metrics import DiscoveryMetrics
+from kvroute.router.fleet.discovery.base import DiscoverySource, Listing
+from kvroute.router.fleet.discovery.dns import address_url
+from kvroute.router.fleet.discovery.metrics import DiscoveryMetrics
 
 log = logging.getLogger("kvroute.router.fleet")
 

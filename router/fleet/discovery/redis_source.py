@@ -1,4 +1,4 @@
-"""Replicas registered in Redis by kvroute's launchers (``kvroute.common.registry``): a registration whose
+"""Replicas registered in Redis by kvroute's launchers (``kvroute.common.registration``): a registration whose
 TTL lapses (its replica stopped heartbeating) leaves the listing."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import logging
 
 import redis.asyncio as aioredis
 
-from kvroute.common.registry import ReplicaRecord, list_replicas
+from kvroute.common.registration import ReplicaRecord, list_replicas
 
-from .base import DiscoverySource, Listing, normalize_url
+from kvroute.router.fleet.discovery.base import DiscoverySource, Listing, normalize_url
 
 log = logging.getLogger("kvroute.router.fleet")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .base import DiscoverySource, Listing, normalize_url
+from kvroute.router.fleet.discovery.base import DiscoverySource, Listing, normalize_url
 
 
 class StaticSource(DiscoverySource):

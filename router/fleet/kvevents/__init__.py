@@ -5,11 +5,11 @@ hashes into the router's own, ``stream`` follows one replica (sequence gaps, rep
 ``subscriber`` holds the streams and follows the fleet, ``metrics`` counts it all.
 """
 
-from .metrics import KVEventMetrics
-from .stream import StreamStatus
-from .subscriber import KVEventSubscriber, base_model
-from .translate import SKIP_REASONS, ChainTranslator
-from .wire import AllBlocksCleared, Batch, BatchDecoder, BlockRemoved, BlockStored, WireError
+from kvroute.router.fleet.kvevents.metrics import KVEventMetrics
+from kvroute.router.fleet.kvevents.stream import StreamStatus
+from kvroute.router.fleet.kvevents.subscriber import KVEventSubscriber, base_model
+from kvroute.router.fleet.kvevents.translate import SKIP_REASONS, ChainTranslator
+from kvroute.router.fleet.kvevents.wire import AllBlocksCleared, Batch, BatchDecoder, BlockRemoved, BlockStored, WireError
 
 __all__ = [
     "SKIP_REASONS",

@@ -14,7 +14,7 @@ from typing import Literal
 
 from kvroute.router.index.client import IndexClient
 
-from .metrics import KVEventMetrics
+from kvroute.router.fleet.kvevents.metrics import KVEventMetrics
 
 log = logging.getLogger("kvroute.kvevents")
 

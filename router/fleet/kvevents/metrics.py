@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .translate import SKIP_REASONS
+from kvroute.router.fleet.kvevents.translate import SKIP_REASONS
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 # from a millisecond (same host) to seconds (a stalled index or a skewed clock)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from .wire import END_SEQ, WireError, parse_replay, replay_request
+from kvroute.router.fleet.kvevents.wire import END_SEQ, WireError, parse_replay, replay_request
 
 # what a replay that could not be had raises: no answer in time, a reply that is no replay, a socket error
 ReplayError = (TimeoutError, WireError, zmq.ZMQError)

@@ -35,13 +35,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvroute.router.index.client import IndexClient
 
-from .index_writer import IndexWriter
-from .liveness import EventsLiveness, HeardState
-from .metrics import KVEventMetrics
-from .replay import ReplayError, replay_batches
-from .sequence import BatchSequence
-from .translate import ChainTranslator
-from .wire import AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, WireError, parse_live
+from kvroute.router.fleet.kvevents.index_writer import IndexWriter
+from kvroute.router.fleet.kvevents.liveness import EventsLiveness, HeardState
+from kvroute.router.fleet.kvevents.metrics import KVEventMetrics
+from kvroute.router.fleet.kvevents.replay import ReplayError, replay_batches
+from kvroute.router.fleet.kvevents.sequence import BatchSequence
+from kvroute.router.fleet.kvevents.translate import ChainTranslator
+from kvroute.router.fleet.kvevents.wire import AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, WireError, parse_live
 
 log = logging.getLogger("kvroute.kvevents")
 

@@ -27,16 +27,16 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from kvroute.router.aio import cancel_and_wait
-from kvroute.router.fleet import card_parent
+from kvroute.router.fleet.membership import card_parent
 from kvroute.router.index.base import PrefixIndex
 from kvroute.router.index.client import IndexClient, as_client
 
-from .liveness import HeardState
-from .metrics import KVEventMetrics
-from .stream import ReplicaStream, StreamStatus
+from kvroute.router.fleet.kvevents.liveness import HeardState
+from kvroute.router.fleet.kvevents.metrics import KVEventMetrics
+from kvroute.router.fleet.kvevents.stream import ReplicaStream, StreamStatus
 
 if TYPE_CHECKING:
-    from kvroute.router.fleet import Replica
+    from kvroute.router.fleet.membership import Replica
 
 log = logging.getLogger("kvroute.kvevents")
 

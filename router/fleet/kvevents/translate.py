@@ -29,7 +29,7 @@ from typing import Any
 
 from kvroute.common.blocks import chain_from_bytes, namespace_seed, token_bytes
 
-from .wire import BlockRemoved, BlockStored, EngineHash
+from kvroute.router.fleet.kvevents.wire import BlockRemoved, BlockStored, EngineHash
 
 SKIP_REASONS = (
     "block_size",

@@ -7,14 +7,14 @@ model before it priced the fleet.
 
 from __future__ import annotations
 
-from .base import Decision, Policy, ReplicaState, RouteRequest
-from .chwbl import ChwblPolicy
-from .cost_model import CostModelPolicy
-from .greedy_ttft import GreedyTtftPolicy
-from .least_loaded import LeastLoadedPolicy
-from .power_of_two import PowerOfTwoPolicy
-from .round_robin import RoundRobinPolicy
-from .sglang_cache_aware import SglangCacheAwarePolicy
+from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.chwbl import ChwblPolicy
+from kvroute.router.placement.policy.cost_model import CostModelPolicy
+from kvroute.router.placement.policy.greedy_ttft import GreedyTtftPolicy
+from kvroute.router.placement.policy.least_loaded import LeastLoadedPolicy
+from kvroute.router.placement.policy.power_of_two import PowerOfTwoPolicy
+from kvroute.router.placement.policy.round_robin import RoundRobinPolicy
+from kvroute.router.placement.policy.sglang_cache_aware import SglangCacheAwarePolicy
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class ReplicaState:
     """One eligible replica as a policy sees it: a snapshot taken for one decision, built from the
-    router's own load accounting (``kvroute.router.load``) and the fleet's last scrape (or, in the
+    router's own load accounting (``kvroute.router.placement.load``) and the fleet's last scrape (or, in the
     simulator, the emulated engines).  Policies read it; nothing writes it back."""
 
     name: str

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from .base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
 
 DEFAULT_REPLICATION = 256  # KubeAI's ``replication`` default
 DEFAULT_LOAD_FACTOR = 1.25  # KubeAI's ``meanLoadFactor`` default, 125 %

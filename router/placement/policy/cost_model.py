@@ -67,9 +67,9 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from .base import Decision, Policy, ReplicaState, RouteRequest
-from .prefix_heat import PrefixHeat
-from .sessions import SessionBook
+from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.prefix_heat import PrefixHeat
+from kvroute.router.placement.policy.sessions import SessionBook
 
 EPSILON = 2.0
 BOUND_FLOOR = 4
@@ -137,7 +137,7 @@ class CostModelPolicy(Policy):
         decode_weight: prompt-token cost of one running sequence per engine step (4.0).
         step_token_budget: tokens per engine step, vLLM's max_num_batched_tokens (8192).
         default_prefill_rate: tokens/s for replicas with no learned rate (None: the
-            LoadTracker's prior, kvroute.router.load.DEFAULT_PREFILL_RATE).
+            LoadTracker's prior, kvroute.router.placement.load.DEFAULT_PREFILL_RATE).
         per_replica_rates: each replica's own learned rate instead of the median (False).
         slow_margin: a replica whose learned rate is below the median by more than noise is
             slow: its work costs (median / its rate) - slow_margin times more, on this turn and
@@ -152,8 +152,8 @@ class CostModelPolicy(Policy):
         seed: accepted for a uniform constructor; the policy is deterministic.
         """
         if default_prefill_rate is None:
-            # Imported here: kvroute.router.load imports this package (for ReplicaState) at its top.
-            from ..load import DEFAULT_PREFILL_RATE
+            # Imported here: kvroute.router.placement.load imports this package (for ReplicaState) at its top.
+            from kvroute.router.placement.load import DEFAULT_PREFILL_RATE
 
             default_prefill_rate = DEFAULT_PREFILL_RATE
         if epsilon < 0 or (session_epsilon is not None and session_epsilon < 0):

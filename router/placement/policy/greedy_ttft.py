@@ -4,7 +4,7 @@ the same bounds, sessions and starvation rule, with no queued-behind or eviction
 
 from __future__ import annotations
 
-from .cost_model import CostModelPolicy
+from kvroute.router.placement.policy.cost_model import CostModelPolicy
 
 
 class GreedyTtftPolicy(CostModelPolicy):

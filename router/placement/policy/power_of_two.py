@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from .base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
 
 
 class PowerOfTwoPolicy(Policy):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
 
 
 class RoundRobinPolicy(Policy):

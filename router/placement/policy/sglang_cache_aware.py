@@ -47,7 +47,7 @@ import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 
-from .base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
 
 CACHE_THRESHOLD = 0.3
 BALANCE_ABS_THRESHOLD = 64
