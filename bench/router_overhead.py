@@ -374,7 +374,7 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
     from kvroute.router.index.memory import MemoryIndex
     from kvroute.router.placement.load import LoadTracker
     from kvroute.router.placement.sequence import snapshot
-    from kvroute.router.placement.policy import RouteRequest, make_policy
+    from kvroute.router.placement.policy import Query, make_policy
     from kvroute.common.requests import parse_request
     from kvroute.router.request.reuse import ReuseTracker
     from kvroute.common.tokens import Tokenizer
@@ -405,7 +405,7 @@ async def pipeline_breakdown(history: list[dict], fresh: Callable[[], str], n: i
             t4 = time.perf_counter()
             matches = await index.lookup(chain)
             t5 = time.perf_counter()
-            req = RouteRequest(chain=chain, prompt_tokens=len(data) // 4, block_size=16, matches=matches)
+            req = Query(chain=chain, prompt_tokens=len(data) // 4, block_size=16, matches=matches)
             decision = policy.choose(req, [snapshot(name, load, 0) for name in names])
             t6 = time.perf_counter()
             await index.record_prediction(decision.replica, chain)

@@ -2,7 +2,8 @@
 
 Per request the router side runs exactly what the router service runs: block-chain hashing
 (`kvroute.common.blocks`), one prefix-index lookup (`MemoryIndex` on a virtual clock), the policy's
-`choose`/`on_routed`, the index prediction, and `LoadTracker` accounting; the engines
+`choose`/`on_routed`, the index prediction, `LoadTracker` accounting, and after the answer the
+same `first_token` / `finished` steps (`Placement`, `router/placement/sequence.py`); the engines
 (`kvroute.replica.emulated.engine.EmulatedEngine`) model vLLM's prefix cache and step timing.  Engines'
 KV events (BlockStored / BlockRemoved / AllBlocksCleared) feed the index as the router's event
 subscriber would, with no delivery delay.
@@ -19,7 +20,7 @@ fresher than a real router's periodic scrape.
 Figures (`summarize`): the three reuse figures share one denominator, the prompt tokens of the
 requests sent, counted in full blocks.  `reuse_available` replays the requests in the order they
 were routed through one infinite shared cache (leading blocks seen before, uncapped);
-`reuse_predicted` sums the policy's `Decision.matched_blocks`; `reuse_delivered` the engines'
+`reuse_predicted` sums the policy's `Choice.matched_blocks`; `reuse_delivered` the engines'
 `cached_tokens`.  `limit_ttft` is the physical limit of each request's TTFT (bench/limit.py), from the
 same arrival order as `reuse_available`.  `imbalance` is max/mean requests per replica, `throughput_rps` completed
 requests over the span from the first arrival to the last finish.
@@ -42,7 +43,7 @@ from kvroute.router.index.client import IndexClient
 from kvroute.router.index.memory import MemoryIndex
 from kvroute.router.placement.load import LoadTracker
 from kvroute.router.placement.sequence import Placement, snapshot
-from kvroute.router.placement.policy.base import Policy, RouteRequest
+from kvroute.router.placement.policy.base import Policy, Query
 
 from kvroute.bench.limit import available_blocks, limit_ttfts, prefill_seconds
 from kvroute.bench.workloads import Workload, text_proxy
@@ -304,7 +305,7 @@ class FleetSim:
     def _route(self, i: int, arrival: float) -> None:
         req = self.requests[i]
         chain = self.prepared.chains[i].tolist()
-        route = RouteRequest(
+        query = Query(
             chain=chain,
             prompt_tokens=int(self.prepared.prompt_tokens[i]),
             block_size=self.block_size,
@@ -313,18 +314,17 @@ class FleetSim:
             now=self.now,
         )
         replicas = [snapshot(name, self.tracker, e.num_running) for name, e in zip(self.names, self.engines)]
-        # the router's own sequence (router/placement.py), on the memory index with virtual time
-        decision = drive(self.placement.place(route, replicas, req.request_id))
-        matches = route.matches
-        pos = self._replica_pos[decision.replica]
+        # the router's own sequence (router/placement/sequence.py), on the memory index with virtual time
+        query, choice = drive(self.placement.place(query, replicas, req.request_id))
+        pos = self._replica_pos[choice.replica]
         run = self.run
         run.arrival[i] = arrival
         run.replica[i] = pos
-        run.predicted_blocks[i] = decision.matched_blocks
-        run.index_blocks[i] = matches.get(decision.replica, 0)
-        run.reasons[decision.reason] = run.reasons.get(decision.reason, 0) + 1
+        run.predicted_blocks[i] = choice.matched_blocks
+        run.index_blocks[i] = query.matches.get(choice.replica, 0)
+        run.reasons[choice.reason] = run.reasons.get(choice.reason, 0) + 1
         self._order.append(i)
-        self.engines[pos].submit(self._EngineRequest(req.request_id, chain, route.prompt_tokens, req.max_tokens), self.now)
+        self.engines[pos].submit(self._EngineRequest(req.request_id, chain, query.prompt_tokens, req.max_tokens), self.now)
 
     def _apply_kv_events(self) -> None:
         for name, ev in self._kv:
@@ -344,16 +344,14 @@ class FleetSim:
         if u.kind == "first_token":
             run.first_token[i] = u.time
             run.cached_tokens[i] = u.cached_tokens
-            ttft = u.time - run.arrival[i]
-            seen = self.tracker.on_first_token(u.request_id, ttft, u.time)
-            if seen is not None:
-                self.policy.on_first_token(seen[0], seen[1], ttft)
+            # the router's own steps after the answer (router/placement/sequence.py), as the router calls them
+            self.placement.first_token(u.request_id, u.time - run.arrival[i], u.time)
             return 0
         if u.kind in ("finished", "aborted"):
             run.finish[i] = u.time
             if u.cached_tokens and not run.cached_tokens[i]:
                 run.cached_tokens[i] = u.cached_tokens
-            self.tracker.on_finished(u.request_id)
+            self.placement.finished(u.request_id)
             for j in self._dependents.get(i, ()):
                 release = u.time + self.requests[j].think_s
                 if release < self._end:  # past the window: the conversation is cut here

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.router.placement.policy import ALL, BASELINES, POLICIES, Policy, ReplicaState, RouteRequest, make_policy
+from kvroute.router.placement.policy import ALL, BASELINES, POLICIES, Policy, ReplicaState, Query, make_policy
 from kvroute.router.placement.policy.chwbl import ChwblPolicy, load_ok
 from kvroute.router.placement.policy.cost_model import CostModelPolicy, SessionBook
 from kvroute.router.placement.policy.prefix_heat import PrefixHeat
@@ -28,9 +28,9 @@ def request(
     matches: dict[str, int] | None = None,
     session: str | None = None,
     text: str = "",
-) -> RouteRequest:
+) -> Query:
     chain = list(range(first, first + blocks))
-    return RouteRequest(
+    return Query(
         chain=chain,
         prompt_tokens=blocks * BS,
         block_size=BS,
@@ -167,7 +167,7 @@ def test_chwbl_remaps_only_the_removed_replicas_keys() -> None:
 
 def test_chwbl_keyless_requests_go_round_robin() -> None:
     policy = make_policy("chwbl")
-    empty = RouteRequest(chain=[], prompt_tokens=5, block_size=BS)
+    empty = Query(chain=[], prompt_tokens=5, block_size=BS)
     picks = [policy.choose(empty, fleet(0, 0, 0)) for _ in range(3)]
     assert [d.replica for d in picks] == ["r0", "r1", "r2"]
     assert {d.reason for d in picks} == {"round_robin"}
@@ -663,7 +663,7 @@ def test_cost_model_a_slow_replica_takes_no_new_sessions_until_its_verdict_fades
     assert picks["r0"] == 0  # never "short of sessions", though it has none
     # no sample for a while: the verdict fades and the replica is probed like any other
     quiet_since = slow_fleet((2_000, 20_000, 20_000), sampled_at=-10 * policy.slow_memory_s)
-    late = [policy.choose(RouteRequest(chain=list(range(5000 + 100 * k, 5008 + 100 * k)), prompt_tokens=128,
+    late = [policy.choose(Query(chain=list(range(5000 + 100 * k, 5008 + 100 * k)), prompt_tokens=128,
                                        block_size=BS, session_key=f"n{k}"), quiet_since).replica for k in range(6)]
     assert "r0" in late
     assert policy.slowness(quiet_since[0], 20_000.0, 0.0) == 1.0 < policy.slowness(slow[0], 20_000.0, 0.0)
@@ -744,7 +744,7 @@ def test_every_policy_returns_one_of_the_given_replicas(
     names = {s.name for s in states}
     policy = make_policy(name, seed=1)
     for t, (blocks, m, holders, session, text) in enumerate(requests):
-        req = RouteRequest(
+        req = Query(
             chain=list(range(7, 7 + blocks)),
             prompt_tokens=blocks * BS + 3,
             block_size=BS,

@@ -69,7 +69,7 @@ class LoadTracker:
 
     def on_first_token(self, request_id: str, ttft_s: float, now: float) -> tuple[str, int] | None:
         """Returns (replica, uncached tokens) of the request, or None if unknown.  ``now``: the
-        caller's clock (``RouteRequest.now``'s), when the first token came."""
+        caller's clock (``Query.now``'s), when the first token came."""
         p = self._pending.get(request_id)
         if p is None or p.first_token_seen:
             return None

@@ -7,7 +7,7 @@ model before it priced the fleet.
 
 from __future__ import annotations
 
-from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Choice, Policy, ReplicaState, Query
 from kvroute.router.placement.policy.chwbl import ChwblPolicy
 from kvroute.router.placement.policy.cost_model import CostModelPolicy
 from kvroute.router.placement.policy.greedy_ttft import GreedyTtftPolicy
@@ -46,9 +46,9 @@ __all__ = [
     "ALL",
     "BASELINES",
     "POLICIES",
-    "Decision",
+    "Choice",
     "Policy",
     "ReplicaState",
-    "RouteRequest",
+    "Query",
     "make_policy",
 ]

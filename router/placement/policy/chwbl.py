@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Choice, Policy, ReplicaState, Query
 
 DEFAULT_REPLICATION = 256  # KubeAI's ``replication`` default
 DEFAULT_LOAD_FACTOR = 1.25  # KubeAI's ``meanLoadFactor`` default, 125 %
@@ -83,7 +83,7 @@ class ChwblPolicy(Policy):
         self._rr = 0  # for keyless requests
 
     @staticmethod
-    def key_of(req: RouteRequest) -> str | None:
+    def key_of(req: Query) -> str | None:
         if req.session_key:
             return req.session_key
         if req.chain:
@@ -98,14 +98,14 @@ class ChwblPolicy(Policy):
             self._ring_names = names
         return self._ring
 
-    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+    def choose(self, req: Query, replicas: Sequence[ReplicaState]) -> Choice:
         if len(replicas) == 1:
-            return Decision(replicas[0].name, "hash", req.matches.get(replicas[0].name, 0))
+            return Choice(replicas[0].name, "hash", req.matches.get(replicas[0].name, 0))
         key = self.key_of(req)
         if key is None:
             pick = replicas[self._rr % len(replicas)]
             self._rr += 1
-            return Decision(pick.name, "round_robin", req.matches.get(pick.name, 0))
+            return Choice(pick.name, "round_robin", req.matches.get(pick.name, 0))
 
         ring = self._ring_for(replicas)
         by_name = {r.name: r for r in replicas}
@@ -118,7 +118,7 @@ class ChwblPolicy(Policy):
             owner = ring.owners[(start + step) % points]
             if load_ok(by_name[owner].in_flight, total, n, self.load_factor):
                 reason = "hash" if owner == first else "balance"
-                return Decision(owner, reason, req.matches.get(owner, 0))
+                return Choice(owner, reason, req.matches.get(owner, 0))
         # Unreachable for load_factor >= 1 (the least loaded replica is always acceptable), but
         # KubeAI falls back to the first endpoint met, and so do we.
-        return Decision(first, "hash", req.matches.get(first, 0))
+        return Choice(first, "hash", req.matches.get(first, 0))

@@ -67,7 +67,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Choice, Policy, ReplicaState, Query
 from kvroute.router.placement.policy.prefix_heat import PrefixHeat
 from kvroute.router.placement.policy.sessions import SessionBook
 
@@ -182,7 +182,7 @@ class CostModelPolicy(Policy):
         self._last_pick: dict[str, int] = {}  # replica -> decision number of its last pick
 
     # -- the estimate --------------------------------------------------------------------------
-    def matched_blocks(self, req: RouteRequest, replica: str) -> int:
+    def matched_blocks(self, req: Query, replica: str) -> int:
         return min(req.matches.get(replica, 0), len(req.chain))
 
     def rate_of(self, r: ReplicaState) -> float:
@@ -201,7 +201,7 @@ class CostModelPolicy(Policy):
         excess *= math.exp(-max(0.0, now - r.rate_sampled_at) / self.slow_memory_s)
         return 1.0 + excess if excess >= SLOW_FADED else 1.0
 
-    def est_ttft(self, req: RouteRequest, r: ReplicaState, rate: float | None = None, behind: float = 0.0) -> float:
+    def est_ttft(self, req: Query, r: ReplicaState, rate: float | None = None, behind: float = 0.0) -> float:
         """Estimated cost in seconds of sending ``req`` to ``r`` (``rate``: that replica's own if
         None): its wait and own prefill, plus the delay its prefill causes the ``behind``
         requests expected to queue after it."""
@@ -213,7 +213,7 @@ class CostModelPolicy(Policy):
         work = queued + weight * uncached + self.decode_weight * decoding * steps
         return work / (self.rate_of(r) if rate is None else rate)
 
-    def behind(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> float:
+    def behind(self, req: Query, replicas: Sequence[ReplicaState]) -> float:
         """Requests expected to queue behind this one's prefill, as the fleet's price of a copy;
         0 (no price) when the best holder has less than half the prompt (explore), and for a hot
         prefix, whose traffic is more than its holders serve at a fair share each."""
@@ -242,7 +242,7 @@ class CostModelPolicy(Policy):
         return mean / (1 + epsilon), math.ceil((1 + epsilon) * (total + 1) / len(replicas) - 1e-9)
 
     # -- the choice ----------------------------------------------------------------------------
-    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+    def choose(self, req: Query, replicas: Sequence[ReplicaState]) -> Choice:
         n = len(replicas)
         turn = self._decisions
         self._decisions += 1
@@ -314,16 +314,16 @@ class CostModelPolicy(Policy):
                 name, reason = home, "session"
         return self._decided(req, name, reason)
 
-    def _decided(self, req: RouteRequest, name: str, reason: str) -> Decision:
+    def _decided(self, req: Query, name: str, reason: str) -> Choice:
         self._last_pick[name] = self._decisions - 1  # this decision's number
         if req.session_key is not None:
             self.sessions.touch(req.session_key, name, req.now)
-        return Decision(name, reason, self.matched_blocks(req, name))
+        return Choice(name, reason, self.matched_blocks(req, name))
 
     def session_replica(self, session: str) -> str | None:
         return self.sessions.home(session)
 
-    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+    def on_routed(self, req: Query, decision: Choice) -> None:
         # A retry may have sent the request elsewhere: the session now lives where it really went.
         if req.session_key is not None and self.sessions.home(req.session_key) != decision.replica:
             self.sessions.touch(req.session_key, decision.replica, req.now)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Choice, Policy, ReplicaState, Query
 
 
 class LeastLoadedPolicy(Policy):
@@ -21,8 +21,8 @@ class LeastLoadedPolicy(Policy):
     def __init__(self, *, seed: int = 0):
         self._rng = random.Random(seed)
 
-    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+    def choose(self, req: Query, replicas: Sequence[ReplicaState]) -> Choice:
         low = min(r.in_flight for r in replicas)
         tied = [r for r in replicas if r.in_flight == low]
         pick = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        return Decision(pick.name, "load", req.matches.get(pick.name, 0))
+        return Choice(pick.name, "load", req.matches.get(pick.name, 0))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Choice, Policy, ReplicaState, Query
 
 
 class PowerOfTwoPolicy(Policy):
@@ -22,12 +22,12 @@ class PowerOfTwoPolicy(Policy):
     def __init__(self, *, seed: int = 0):
         self._rng = random.Random(seed)
 
-    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+    def choose(self, req: Query, replicas: Sequence[ReplicaState]) -> Choice:
         n = len(replicas)
         if n == 1:
-            return Decision(replicas[0].name, "load", req.matches.get(replicas[0].name, 0))
+            return Choice(replicas[0].name, "load", req.matches.get(replicas[0].name, 0))
         i1 = self._rng.randrange(n)
         i2 = (i1 + 1 + self._rng.randrange(n - 1)) % n
         a, b = replicas[i1], replicas[i2]
         pick = a if a.in_flight <= b.in_flight else b
-        return Decision(pick.name, "load", req.matches.get(pick.name, 0))
+        return Choice(pick.name, "load", req.matches.get(pick.name, 0))

@@ -1,7 +1,7 @@
 """Which prefixes carry more traffic than their copies serve at a fair share (docs/design.md §5.7).
 
 Request counts per prefix key and for the whole fleet decay over time on the caller's clock
-(``RouteRequest.now``) with time constant ``tau_s``: a share is evidence of *sustained* traffic,
+(``Query.now``) with time constant ``tau_s``: a share is evidence of *sustained* traffic,
 so one busy moment moves nothing.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Choice, Policy, ReplicaState, Query
 
 
 class RoundRobinPolicy(Policy):
@@ -20,7 +20,7 @@ class RoundRobinPolicy(Policy):
     def __init__(self, *, seed: int = 0):
         self._counter = 0  # ``seed`` is accepted for a uniform constructor; nothing is random here
 
-    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+    def choose(self, req: Query, replicas: Sequence[ReplicaState]) -> Choice:
         pick = replicas[self._counter % len(replicas)]
         self._counter += 1
-        return Decision(pick.name, "round_robin", req.matches.get(pick.name, 0))
+        return Choice(pick.name, "round_robin", req.matches.get(pick.name, 0))

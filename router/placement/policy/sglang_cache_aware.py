@@ -36,7 +36,7 @@ Deviations (small; the rule itself is unchanged):
 - Tenants are listed in insertion order where sglang's DashMap order is arbitrary.
 - Load figures cover the eligible replicas passed in; sglang's max/min also count unhealthy
   workers.
-- ``Decision.matched_blocks`` (what the policy believed the chosen replica held) converts the
+- ``Choice.matched_blocks`` (what the policy believed the chosen replica held) converts the
   tree's character match for the chosen tenant to blocks: matched share of the text times the
   prompt's tokens, in whole blocks (exact with the simulator's one character per token).
 """
@@ -47,7 +47,7 @@ import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 
-from kvroute.router.placement.policy.base import Decision, Policy, ReplicaState, RouteRequest
+from kvroute.router.placement.policy.base import Choice, Policy, ReplicaState, Query
 
 CACHE_THRESHOLD = 0.3
 BALANCE_ABS_THRESHOLD = 64
@@ -249,7 +249,7 @@ class SglangCacheAwarePolicy(Policy):
             self.tree.evict_tenant_by_size(self.max_tree_size)
             self._next_eviction = now + self.eviction_interval_s
 
-    def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+    def choose(self, req: Query, replicas: Sequence[ReplicaState]) -> Choice:
         self._maybe_evict(req.now)
         for r in replicas:  # sglang's init_workers inserts "" for every worker
             if r.name not in self.tree.tenant_chars:
@@ -271,7 +271,7 @@ class SglangCacheAwarePolicy(Policy):
                 # back to the first healthy worker, without recording the request.
                 self.tree.remove_tenant(tenant)
                 pick = replicas[0]
-                return Decision(pick.name, "fallback", self._believed_blocks(req, pick.name))
+                return Choice(pick.name, "fallback", self._believed_blocks(req, pick.name))
             elif self.low_match == "smallest_tree":
                 sizes = self.tree.tenant_chars
                 pick = min(replicas, key=lambda r: sizes.get(r.name, 0))
@@ -280,9 +280,9 @@ class SglangCacheAwarePolicy(Policy):
                 pick, reason = least, "load"
         believed = self._believed_blocks(req, pick.name)
         self.tree.insert(text, pick.name)
-        return Decision(pick.name, reason, believed)
+        return Choice(pick.name, reason, believed)
 
-    def _believed_blocks(self, req: RouteRequest, tenant: str) -> int:
+    def _believed_blocks(self, req: Query, tenant: str) -> int:
         """The tree's belief for ``tenant`` in blocks: its share of the text, applied to the tokens."""
         text = req.text
         if not text or req.block_size <= 0:
