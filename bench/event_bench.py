@@ -29,7 +29,7 @@ import msgspec
 
 from kvroute.replica.emulated.publisher import BlockRemoved, BlockStored, KVEventPublisher
 from kvroute.bench.timing import per_call_us
-from kvroute.router.index import MemoryIndex, RedisIndex, ReplicaSpec
+from kvroute.router.index import IndexClient, MemoryIndex, RedisIndex, ReplicaSpec
 from kvroute.router.index.base import PrefixIndex
 from kvroute.router.fleet.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber
 
@@ -105,7 +105,7 @@ async def _follow(index: PrefixIndex, capacity: int):
     await index.add_replica(ReplicaSpec(NAME, capacity, publishes_events=True))
     pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv", buffer_steps=100_000)
     await pub.start()
-    sub = KVEventSubscriber(index, block_size_for=lambda m: BS)
+    sub = KVEventSubscriber(IndexClient(index), block_size_for=lambda m: BS)
     await sub.start()
     sub.watch(NAME, pub.endpoint, pub.replay_endpoint, MODEL, capacity_blocks=capacity)
     await sub.wait_synced(NAME)

@@ -43,7 +43,7 @@ from pydantic_settings import (
 )
 
 from kvroute.router.fleet.discovery import ReplicaEntry, entry_url
-from kvroute.router.fleet.membership import FleetSettings
+from kvroute.router.fleet.settings import FleetSettings
 from kvroute.router.placement.policy import POLICIES
 from kvroute.router.settings_cli import cli_source
 from kvroute.router.settings_cli import hint as _hint

@@ -18,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 from kvroute.router.app import RouterApp
+from kvroute.router.index.base import PrefixIndex
+from kvroute.router.index.client import IndexClient
 from kvroute.router.config import RouterSettings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,3 +289,9 @@ class RouterProcess:
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
+
+
+def index_client(index: PrefixIndex | IndexClient) -> IndexClient:
+    """``index`` itself if it is a client, else a client of its own over it (tests hand components
+    a bare backend; the router hands them its one client)."""
+    return index if isinstance(index, IndexClient) else IndexClient(index)

@@ -754,7 +754,7 @@ def test_byo_service_environment_is_valid_router_settings(monkeypatch):
 
 
 def test_byo_selector_environment_is_valid_router_settings(monkeypatch):
-    from kvroute.router.fleet.membership import FleetSettings
+    from kvroute.router.fleet.settings import FleetSettings
 
     kinds = helm_template_values(CI_VALUES["byo-selector"])
     env = literal_env(router_of(kinds)["spec"]["template"]["spec"]["containers"][0])

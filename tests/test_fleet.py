@@ -17,7 +17,9 @@ import pytest
 from aiohttp import web
 
 from kvroute.router.fleet.discovery import address_url, normalize_url, select_addresses
-from kvroute.router.fleet.membership import Fleet, FleetSettings
+from kvroute.router.fleet.membership import Fleet
+from tests.router_support import index_client
+from kvroute.router.fleet.settings import FleetSettings
 from kvroute.router.index.memory import MemoryIndex
 from kvroute.common.registration import ReplicaRecord, keep_registered, register
 from kvroute.common.scrape import parse_vllm_metrics
@@ -147,7 +149,7 @@ async def fleets(session):
         fleet = Fleet(
             FleetSettings(**{**FAST, **settings}),
             session,
-            index=index if index is not None else MemoryIndex(),
+            index=index_client(index if index is not None else MemoryIndex()),
             redis=redis,
         )
         made.append(fleet)

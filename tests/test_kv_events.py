@@ -25,7 +25,8 @@ from prometheus_client import CollectorRegistry
 from kvroute.replica.emulated.publisher import BlockRemoved, BlockStored, KVEventPublisher
 from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 from kvroute.common.blocks import block_hashes, namespace_seed
-from kvroute.router.fleet.membership import Fleet, FleetSettings
+from kvroute.router.fleet.membership import Fleet
+from kvroute.router.fleet.settings import FleetSettings
 from kvroute.router.index import IndexClient, MemoryIndex, RedisIndex, ReplicaSpec
 from kvroute.router.index.base import PrefixIndex
 from kvroute.router.fleet.kvevents import BatchDecoder, ChainTranslator, KVEventSubscriber, WireError
@@ -33,7 +34,7 @@ from kvroute.router.fleet.kvevents import wire
 from kvroute.common.registration import ReplicaRecord, deregister, register
 from kvroute.common.tokens import Tokenizer
 from tests.conftest import free_port
-from tests.router_support import own_redis
+from tests.router_support import index_client, own_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-emulated"
@@ -128,7 +129,7 @@ async def start_publisher(*, replay: bool = True, port: int | None = None,
 
 
 def make_subscriber(index: PrefixIndex, **kwargs: Any) -> KVEventSubscriber:
-    return KVEventSubscriber(index, block_size_for=lambda model: BS, registry=CollectorRegistry(),
+    return KVEventSubscriber(index_client(index), block_size_for=lambda model: BS, registry=CollectorRegistry(),
                              replay_timeout_s=1.0, **kwargs)
 
 
@@ -330,7 +331,7 @@ async def test_fleet_events_drive_the_subscriber(tokenizer, session, redis_url, 
                            replay_endpoint=f"tcp://*:{replay_port}")
     fleet = Fleet(FleetSettings(discovery_redis=True, redis_url=redis_url, redis_key_prefix=redis_prefix,
                                 health_interval_s=0.1, metrics_interval_s=0.1),
-                  session, index=index, redis=client)
+                  session, index=index_client(index), redis=client)
     try:
         await register(client, redis_prefix, record, ttl=30)
         fleet.subscribe(sub.on_fleet_event)

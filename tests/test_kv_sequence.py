@@ -50,11 +50,11 @@ def test_only_the_last_window_of_digests_is_kept():
 async def _writer_with(index):
     from prometheus_client import CollectorRegistry
 
-    from kvroute.router.index.client import as_client
+    from tests.router_support import index_client
     from kvroute.router.fleet.kvevents.index_writer import IndexWriter
     from kvroute.router.fleet.kvevents.metrics import KVEventMetrics
 
-    return IndexWriter("r", as_client(index), KVEventMetrics(CollectorRegistry()))
+    return IndexWriter("r", index_client(index), KVEventMetrics(CollectorRegistry()))
 
 
 async def test_writes_are_coalesced_in_order_and_a_clear_makes_earlier_ones_moot():

@@ -9,7 +9,7 @@ import time
 from prometheus_client import CollectorRegistry
 
 from kvroute.router.fleet.breaker import CircuitBreaker
-from kvroute.router.fleet.membership import Replica
+from kvroute.router.fleet.replica import Replica
 from kvroute.router.fleet.engine_counters import HITS, QUERIES, EngineCacheCounters
 from kvroute.common.scrape import ScrapeResult
 from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, scrape, total

@@ -31,7 +31,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvroute.common.scrape import ScrapeResult
 
-from kvroute.router.fleet.membership import Fleet, FleetEvent, Replica
+from kvroute.router.fleet.membership import Fleet
+from kvroute.router.fleet.replica import FleetEvent, Replica
 from kvroute.router.worker_metrics import remove_series
 
 QUERIES = "vllm:prefix_cache_queries"  # as ScrapeResult.counters names them (no _total)

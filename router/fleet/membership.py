@@ -8,10 +8,11 @@ Every health interval each replica's ``/health`` is probed (and at once after a 
 failed); ``unhealthy_after`` failures in a row take it out, a refused connection at once, and its
 prefix-index entries are dropped (after a crash its cache state is unknown).  It comes back at
 the first successful probe, once its ``/v1/models`` has been read.  Load is scraped from
-``/metrics`` every metrics interval.  The HTTP calls are ``router/probes.py``'s; this module
+``/metrics`` every metrics interval.  The HTTP calls are ``probes.py``'s; this module
 keeps the state they change.  Each probe and scrape runs as its own task with its own timeout,
 at most one of each kind per replica at a time, so a slow replica never delays the others.  The
-proxy reports request outcomes to a per-replica circuit breaker.
+edge reports each answer's verdict (``report_success``, ``report_failure``) to the replica's
+circuit breaker, and routing takes a half-open replica's one trial (``claim``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -31,9 +31,10 @@ from kvroute.common.registration import ReplicaRecord
 from kvroute.common.scrape import ScrapeResult
 
 from kvroute.router.aio import cancel_and_wait
-from kvroute.router.fleet.breaker import BreakerState, CircuitBreaker
-from kvroute.router.index.base import PrefixIndex, ReplicaSpec
-from kvroute.router.index.client import IndexClient, as_client
+from kvroute.router.fleet.breaker import CircuitBreaker
+from kvroute.router.fleet.replica import DEFAULT_BLOCK_SIZE, FleetEvent, KVEventsState, Replica, ReplicaStatus
+from kvroute.router.index.base import ReplicaSpec
+from kvroute.router.index.client import IndexClient
 from kvroute.router.fleet.discovery import (
     DiscoveryMetrics,
     DiscoverySource,
@@ -52,79 +53,6 @@ from kvroute.router.fleet.settings import FleetSettings
 
 log = logging.getLogger("kvroute.router.fleet")
 
-DEFAULT_BLOCK_SIZE = 16  # vLLM's default
-FleetEvent = Literal["joined", "left", "up", "down", "restarted", "changed"]
-# Whether a replica's KV events are followed: "off" (no endpoint, or not following events),
-# "pending" (followed, nothing heard yet), "following" (a batch or a replay answer came), "silent"
-# (nothing within events_silent_after_s: routed on predictions, as a replica without events)
-KVEventsState = Literal["off", "pending", "following", "silent"]
-
-
-def card_parent(card: Mapping[str, Any]) -> str | None:
-    """The base model a LoRA adapter's model card names (vLLM's /v1/models gives an adapter's
-    card a ``parent``); None for a base model's card."""
-    parent = card.get("parent")
-    return parent if isinstance(parent, str) and parent and parent != card.get("id") else None
-
-
-@dataclass(eq=False)
-class Replica:
-    name: str  # stable id: its base URL
-    url: str
-    breaker: CircuitBreaker  # .available(), .claim(), .record_success(), .record_failure(), .state
-    models: set[str] = field(default_factory=set)  # from its /v1/models
-    model_cards: list[dict[str, Any]] = field(default_factory=list)
-    block_size: int | None = None  # effective: configured, else scraped, else registered
-    capacity_blocks: int | None = None
-    events_endpoint: str | None = None  # router/discovery/event_endpoints.py says which
-    replay_endpoint: str | None = None
-    events_origin: str | None = None  # "registered", "configured", "convention"
-    kv_events: KVEventsState = "off"  # the KV-event subscriber reports it (set_kv_events)
-    healthy: bool = False
-    draining: bool = False
-    # scraped load
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    last_scrape: float | None = None  # time.monotonic() of the last successful scrape
-    # bookkeeping
-    sources: set[str] = field(default_factory=set)
-    record: ReplicaRecord | None = None
-    health_failures: int = 0  # consecutive
-    models_read_at: float | None = None
-    process_start_time: float | None = None
-    scraped_block_size: int | None = None
-    scraped_capacity: int | None = None
-    indexed_spec: ReplicaSpec | None = None  # what the index was last told; None = not in it
-    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
-
-
-@dataclass
-class ReplicaStatus:
-    """Plain data for metrics and the admin API."""
-
-    name: str
-    healthy: bool
-    draining: bool
-    breaker_state: BreakerState
-    breaker_opened_total: int
-    running: int
-    waiting: int
-    kv_usage: float
-    models: list[str]
-    block_size: int | None
-    capacity_blocks: int | None
-    sources: list[str]
-    events_endpoint: str | None
-    replay_endpoint: str | None
-    events_origin: str | None
-    kv_events: KVEventsState
-    health_failures: int
-    scrape_age_s: float | None
-    # this router's own load there (kvroute.router.placement.load owns it; the app fills it in)
-    in_flight: int = 0
-    queued_prefill_tokens: int = 0
-
 
 class Fleet:
     def __init__(
@@ -132,7 +60,7 @@ class Fleet:
         settings: FleetSettings,
         session: aiohttp.ClientSession,
         *,
-        index: PrefixIndex | IndexClient,
+        index: IndexClient,
         redis: aioredis.Redis | None = None,  # else created from settings.redis_url when needed
         registry: CollectorRegistry | None = None,  # where discovery counts its errors (the router's)
         follows_events: bool = True,  # False: no KV-event subscriber, every replica is routed on predictions
@@ -143,7 +71,7 @@ class Fleet:
             settings.replicas, events_port=settings.events_port, replay_port=settings.replay_port
         )
         self.session = session
-        self.index = as_client(index)
+        self.index = index
         self._redis = redis  # Redis discovery's client, if the caller has one; else made from settings
         self._sources: list[DiscoverySource] = []
         self._discovery_metrics = DiscoveryMetrics(registry)
@@ -573,11 +501,4 @@ def _log_task_failure(task: asyncio.Task[None]) -> None:
         log.error("fleet task failed", exc_info=task.exception())
 
 
-__all__ = [
-    "DEFAULT_BLOCK_SIZE",
-    "Fleet",
-    "FleetSettings",
-    "Replica",
-    "ReplicaStatus",
-    "card_parent",
-]
+__all__ = ["Fleet"]

@@ -276,9 +276,3 @@ class IndexClient:
                 callback()
             except Exception:  # noqa: BLE001 - one listener's bug must not stop the others
                 log.exception("index rebuild listener failed")
-
-
-def as_client(index: PrefixIndex | IndexClient) -> IndexClient:
-    """``index`` itself if it is a client, else a client of its own over it, with metrics of its
-    own (tests and tools that hand a component a bare backend)."""
-    return index if isinstance(index, IndexClient) else IndexClient(index)

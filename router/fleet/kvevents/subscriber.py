@@ -27,16 +27,16 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from kvroute.router.aio import cancel_and_wait
-from kvroute.router.fleet.membership import card_parent
+from kvroute.router.fleet.catalogue import card_parent
 from kvroute.router.index.base import PrefixIndex
-from kvroute.router.index.client import IndexClient, as_client
+from kvroute.router.index.client import IndexClient
 
 from kvroute.router.fleet.kvevents.liveness import HeardState
 from kvroute.router.fleet.kvevents.metrics import KVEventMetrics
 from kvroute.router.fleet.kvevents.stream import ReplicaStream, StreamStatus
 
 if TYPE_CHECKING:
-    from kvroute.router.fleet.membership import Replica
+    from kvroute.router.fleet.replica import Replica
 
 log = logging.getLogger("kvroute.kvevents")
 
@@ -79,7 +79,7 @@ def reachable_endpoint(endpoint: str, replica_url: str) -> str:
 class KVEventSubscriber:
     def __init__(
         self,
-        index: PrefixIndex | IndexClient,
+        index: IndexClient,
         *,
         block_size_for: Callable[[str], int],
         registry: CollectorRegistry | None = None,
@@ -93,7 +93,7 @@ class KVEventSubscriber:
         silent_after_s: float = DEFAULT_SILENT_AFTER_S,
         on_state: Callable[[str, HeardState], None] | None = None,
     ) -> None:
-        self.index = as_client(index)
+        self.index = index
         self.index.on_rebuild(self.resync_all)
         self.block_size_for = block_size_for
         self.registry = registry if registry is not None else CollectorRegistry()
