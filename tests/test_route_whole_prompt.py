@@ -20,8 +20,9 @@ import numpy as np
 
 from kvroute.bench.chat_text import chat_text
 from kvroute.common.blocks import block_hashes, namespace_seed
-from kvroute.router.placement.policy.base import RouteRequest
-from kvroute.router.forwarding.proxy import Outcome, Usage
+from kvroute.router.placement.policy.base import Query
+from kvroute.router.forwarding.proxy import Outcome
+from kvroute.router.forwarding.sse import Usage
 from kvroute.common.requests import parse_request
 from tests.router_support import MODEL, TINY_TOKENIZER, emulated_replicas, running_router
 from kvroute.common.tokens import Tokenizer
@@ -65,23 +66,23 @@ async def test_a_long_new_prompt_lands_where_its_whole_prompt_would_and_is_charg
             ids = reference.encode(reference.render_chat(messages))
             chain = block_hashes(ids, block_size, seed)
             # the whole prompt's decision, on a copy of the policy, from the same index and load
-            route = RouteRequest(chain=chain, prompt_tokens=len(ids), block_size=block_size, session_key=session,
+            route = Query(chain=chain, prompt_tokens=len(ids), block_size=block_size, session_key=session,
                                  matches=app.index.lookup_now(chain), now=time.monotonic())
-            expected = copy.deepcopy(router.policy).choose(route, router._snapshot(router.eligible(MODEL)))
+            expected = copy.deepcopy(app.policy).choose(route, router._snapshot(router.eligible(MODEL)))
             body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 1}).encode()
             decision = await router.route(parse_request("chat", body), request_id=f"r{i}", session_header=session, api_key=None)
 
             long_new += len(messages) == 2
             same += decision.replica == expected.replica
             want = max(0, len(ids) - expected.matched_blocks * block_size)
-            got = router.load._pending[decision.load_key].uncached
+            got = app.load._pending[decision.load_key].uncached
             charged += abs(got - want) <= 0.05 * max(want, block_size)
             # keep a few in flight (replicas' queues differ), answer the oldest
             in_flight.append(decision)
             if len(in_flight) > 6:
                 done = in_flight.pop(0)
-                router.first_token(done, 0.05)
-                router.report(done, Outcome(replica=done.replica, status=200, usage=Usage(len(ids), 1, 0)))
+                app.accounting.first_token(done, 0.05)
+                app.accounting.report(done, Outcome(replica=done.replica, status=200, usage=Usage(len(ids), 1, 0)))
         n = len(requests)
         assert long_new >= 20 and n >= 60
         assert same >= 0.99 * n, f"{n - same} of {n} requests went elsewhere than their whole prompt would"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from kvroute.common.blocks import block_hashes, namespace_seed
 from kvroute.router.fleet.breaker import CircuitBreaker
-from kvroute.router.fleet.membership import Replica
-from kvroute.router.request.route import adapter_of, approximate_token_bytes, chat_text, client_label, tenant_salt
+from kvroute.router.fleet.replica import Replica
+from kvroute.router.fleet.catalogue import adapter_of
+from kvroute.router.request.prompt import approximate_token_bytes, chat_text
+from kvroute.router.request.route import client_label, tenant_salt
 
 
 def _replica(cards: list[dict]) -> Replica:
@@ -55,22 +57,31 @@ def test_chat_text_flattens_parts():
     assert text == "<system>a\nb\n<user>"
 
 
-def test_placement_chooses_again_when_the_pick_cannot_be_claimed():
+def test_routing_chooses_again_when_the_pick_cannot_be_claimed():
     # Round robin picks b second; b is half-open and its trial was taken meanwhile (claim refuses):
     # the request goes to another replica instead, and nothing is booked on b.
-    from kvroute.router.index.memory import MemoryIndex
-    from kvroute.router.placement.load import LoadTracker
+    from types import SimpleNamespace
+
+    from kvroute.common.tokens import TokenizerRegistry
+    from kvroute.router.config import RouterSettings
     from kvroute.router.index.client import IndexClient
-    from kvroute.router.placement.sequence import Placement
-    from kvroute.router.placement.policy.base import ReplicaState, RouteRequest
+    from kvroute.router.index.memory import MemoryIndex
+    from kvroute.router.metrics import RouterMetrics
+    from kvroute.router.placement.load import LoadTracker
+    from kvroute.router.placement.policy.base import Query
     from kvroute.router.placement.policy.round_robin import RoundRobinPolicy
+    from kvroute.router.placement.sequence import Placement
+    from kvroute.router.request.route import Router
 
     load = LoadTracker()
     claimed: list[str] = []
-    placement = Placement(RoundRobinPolicy(), IndexClient(MemoryIndex()), load,
-                          claim=lambda name: claimed.append(name) or name != "b")
-    replicas = [ReplicaState("a"), ReplicaState("b")]
-    picks = [placement.commit(RouteRequest(chain=[], prompt_tokens=8, block_size=16), replicas, f"k{i}").replica
+    policy = RoundRobinPolicy()
+    placement = Placement(policy, IndexClient(MemoryIndex()), load)
+    fleet = SimpleNamespace(claim=lambda name: claimed.append(name) or name != "b")
+    router = Router(RouterSettings(), fleet=fleet, placement=placement, tokenizers=TokenizerRegistry(),
+                    metrics=RouterMetrics(policy.name, policy.reasons))
+    replicas = [Replica(name=n, url=n, breaker=CircuitBreaker()) for n in ("a", "b")]
+    picks = [router._place(Query(chain=(), prompt_tokens=8, block_size=16), replicas, f"k{i}", ((),))[1].replica
              for i in range(2)]
     assert picks == ["a", "a"] and claimed == ["a", "b", "a"]
     assert load.state("a").in_flight == 2 and load.state("b").in_flight == 0

@@ -9,7 +9,9 @@ import socket
 
 import pytest
 
-from kvroute.router.forwarding.proxy import SseRelay, _nodelay, normalize_error_body
+from kvroute.router.forwarding.proxy import _nodelay
+from kvroute.router.forwarding.replica_errors import normalize_error_body
+from kvroute.router.forwarding.sse import SseRelay
 
 
 def _event(obj) -> bytes:

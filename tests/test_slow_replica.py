@@ -28,13 +28,13 @@ async def test_sessions_leave_a_replica_that_serves_them_ten_times_slower():
     async with started(*replicas) as reps, running_router([r.url for r in reps]) as app:
         slow = reps[0].url
         served: list[str] = []
-        report = app.router.report
+        report = app.accounting.report
 
-        def record(decision, outcome):  # which replica answered each request, in answer order
+        def record(route, outcome):  # which replica answered each request, in answer order
             served.append(outcome.replica)
-            report(decision, outcome)
+            return report(route, outcome)
 
-        app.router.report = record
+        app.accounting.report = record
         ttfts: list[float] = []
         todo = list(range(SESSIONS))
         system = chat_text((1, 0), 1_200)
