@@ -91,7 +91,6 @@ class ClientTemplates:
         self._all: set[_Worker] = set()
         self._closed = False
         self._background: set[asyncio.Future] = set()  # kills and restarts under way (kept referenced)
-        self.killed = 0  # workers replaced after a job overran (for tests and operators)
 
     def start(self) -> None:
         """Start every worker now, in the background, rather than on the first job."""
@@ -155,7 +154,6 @@ class ClientTemplates:
             async with asyncio.timeout(self.timeout_s):
                 return await worker.call(payload)
         except TimeoutError:
-            self.killed += 1
             log.warning("a client chat template ran past its %g s budget: its worker is killed and replaced", self.timeout_s)
             raise ClientTemplateRefused(
                 f"the chat template did not finish rendering within {self.timeout_s:g} s, this router's budget",

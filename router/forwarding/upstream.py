@@ -449,7 +449,6 @@ class UpstreamPool:
         self._ssl: ssl.SSLContext | None = None
         self._sweep_timer: asyncio.TimerHandle | None = None
         self.closed = False
-        self.connections_made = 0  # for tests and benchmarks: how often a request did not reuse one
 
     async def request(
         self, base_url: str, path: str, headers: Mapping[str, str], body: bytes, method: str = "POST"
@@ -534,7 +533,6 @@ class UpstreamPool:
             ) from exc
         except OSError as exc:
             raise UpstreamConnectError(f"cannot connect to {target.where}: {exc}") from exc
-        self.connections_made += 1
         if self.closed:
             conn.close()
             raise UpstreamConnectError("the upstream pool is closed")

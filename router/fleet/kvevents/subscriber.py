@@ -179,12 +179,6 @@ class KVEventSubscriber:
         if self._started:
             self._spawn(replica)
 
-    async def unwatch(self, replica: str) -> None:
-        """Stop following ``replica`` (its index entries stay: the fleet decides about those)."""
-        task = self._cancel(replica)
-        if task is not None:
-            await asyncio.gather(task, return_exceptions=True)
-
     def watched(self) -> list[str]:
         return list(self._streams)
 

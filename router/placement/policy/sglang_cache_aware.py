@@ -157,11 +157,6 @@ class ApproxRadixTree:
             node, i = child, i + len(edge)
         return i
 
-    def smallest_tenant(self) -> str | None:
-        if not self.tenant_chars:
-            return None
-        return min(self.tenant_chars.items(), key=lambda kv: kv[1])[0]
-
     def _nodes(self) -> Iterator[_Node]:
         stack = [self.root]
         while stack:
