@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -321,7 +322,7 @@ def test_sglang_evicts_on_the_callers_clock() -> None:
 
     def send(k: int, now: float) -> None:
         req = request(text=chr(ord("a") + k) * 30)
-        req.now = now
+        req = replace(req, now=now)
         policy.choose(req, replicas)
 
     for k in range(10):
@@ -397,7 +398,7 @@ def warmed(name: str = "cost_model", n: int = 4, requests: int = 200, **options:
     idle = fleet(*[0] * n)
     for k in range(requests):
         req = request(8, first=100_000 + 100 * k)
-        req.now = 0.1 * k
+        req = replace(req, now=0.1 * k)
         policy.on_routed(req, policy.choose(req, idle))
     return policy, 0.1 * requests
 
@@ -409,7 +410,7 @@ def test_cost_model_prices_the_copy_a_departure_makes() -> None:
     fleet_cost, _ = warmed()
     replicas = fleet(1, 1, 1, 1)
     req = request(64, matches={"r0": 60})
-    req.now = now
+    req = replace(req, now=now)
     replicas[0].queued_prefill_tokens = 2000  # more than a fresh 1024-token prefill elsewhere
     assert greedy.choose(req, replicas).replica != "r0"
     assert fleet_cost.choose(req, replicas).replica == "r0"
@@ -424,13 +425,13 @@ def test_cost_model_explores_when_the_new_part_outweighs_the_cached_one() -> Non
     policy, now = warmed()
     replicas = fleet(1, 1, 1, 1)
     req = request(64, matches={"r0": 16})
-    req.now = now
+    req = replace(req, now=now)
     replicas[0].queued_prefill_tokens = 1000  # 1000 + 768 uncached > 1024 fresh elsewhere
     assert policy.choose(req, replicas).replica != "r0"
     assert make_policy("greedy_ttft").choose(req, replicas).replica != "r0"
     # Holding most of the prompt, the same queue keeps it (the price of a copy is paid).
     most = request(64, first=7000, matches={"r0": 48})
-    most.now = now
+    most = replace(most, now=now)
     replicas[0].queued_prefill_tokens = 1500  # 1500 + 256 > 1024: greedy would leave
     assert make_policy("greedy_ttft").choose(most, replicas).replica != "r0"
     assert policy.choose(most, replicas).replica == "r0"
@@ -456,13 +457,13 @@ def test_cost_model_replicates_a_prefix_whose_traffic_outgrows_its_holders() -> 
     hot = request(64, matches={"r0": 60})
     cold = request(64, first=5000, matches={"r0": 60})
     replicas[0].queued_prefill_tokens = 2000
-    cold.now = now
+    cold = replace(cold, now=now)
     assert policy.choose(cold, replicas).replica == "r0"  # one request: no evidence, no copy
     # Half the traffic for 30 s carries the hot prefix: more than its one holder's fair share (1/4).
     picks = []
     for k in range(300):
         req = hot if k % 2 else request(8, first=200_000 + 100 * k)
-        req.now = now + 0.1 * k
+        req = replace(req, now=now + 0.1 * k)
         picks.append(policy.choose(req, replicas).replica)
     assert picks[-1] != "r0"
     # Three quarters of the traffic: two holders of four still serve more than their share.
@@ -470,7 +471,7 @@ def test_cost_model_replicates_a_prefix_whose_traffic_outgrows_its_holders() -> 
     replicas[1].queued_prefill_tokens = 2000
     for k in range(300):
         req = two if k % 4 else request(8, first=300_000 + 100 * k)
-        req.now = now + 30 + 0.1 * k
+        req = replace(req, now=now + 30 + 0.1 * k)
         d = policy.choose(req, replicas)
     assert d.replica not in ("r0", "r1")
 
@@ -485,16 +486,16 @@ def test_cost_model_a_cold_replica_back_in_the_fleet_takes_new_sessions_at_once(
     system = {r.name: 16 for r in busy}
     for k in range(12):
         req = request(64, first=1000 * k, matches=system, session=f"old{k}")
-        req.now = now + k
+        req = replace(req, now=now + k)
         policy.on_routed(req, policy.choose(req, busy))
     back = ReplicaState(name="r3")
     replicas = [*busy, back]
     new = request(64, first=50_000, matches=system, session="new")
-    new.now = now + 13
+    new = replace(new, now=now + 13)
     assert policy.choose(new, replicas).replica == "r3"
     # The old sessions stay where their history is.
     old = request(64, first=0, matches={"r0": 60, "r1": 16, "r2": 16}, session="old0")
-    old.now = now + 14
+    old = replace(old, now=now + 14)
     assert policy.choose(old, replicas).replica == "r0"
 
 
