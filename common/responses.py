@@ -16,7 +16,7 @@ then reuses nothing across turns; the router predicts exactly that).
 
 Items other than messages (function calls, their outputs, reasoning) are not rendered: the router
 passes them to the replica but does not hash them.  What the router remembers of each response it
-relayed, and how ``previous_response_id`` is routed, is router/response_memory.py.
+relayed, and how ``previous_response_id`` is routed, is router/request/response_memory.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ supervisor (router/workers.py) run N processes that each serve.
 
 ``serve`` runs one router (router/app.py's ``RouterApp``) until SIGTERM or SIGINT (a worker: also
 its supervisor's end), then drains: /ready turns 503 while requests in flight finish (up to
-``drain_timeout_s``, then router/cutoff.py ends the rest), and the process exits.
+``drain_timeout_s``, then router/edge/cutoff.py ends the rest), and the process exits.
 """
 
 from __future__ import annotations

@@ -442,7 +442,7 @@ async def test_re_predicting_within_the_slack_keeps_the_expiry_and_extends_the_c
     assert_holders_match_entries(index)
 
 
-# -- property: random operation sequences against the reference model (router/index/reference.py)
+# -- property: random operation sequences against the reference model (tests/index_reference.py)
 # Five replicas, chains long enough for the memory index's probes (blocks 8, 16, 32) and the
 # bisection after them; two chains share a head, as conversations share a system prompt.
 NAMES = ["r0", "r1", "r2", "r3", "r4"]

@@ -1,4 +1,4 @@
-"""Kubernetes discovery (router/discovery/k8s.py) against the pod list+watch protocol of the API
+"""Kubernetes discovery (router/fleet/discovery/k8s.py) against the pod list+watch protocol of the API
 server, served on loopback by tests/kube_api.py (no kube-apiserver can run here: see there), with
 the real kubernetes_asyncio client reading a real kubeconfig; and end to end, a router that finds
 emulated replicas this way and routes the official openai client's requests to them."""

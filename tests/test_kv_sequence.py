@@ -1,4 +1,4 @@
-"""The KV-event batch numbering on its own (router/kvevents/sequence.py): no sockets needed."""
+"""The KV-event batch numbering on its own (router/fleet/kvevents/sequence.py): no sockets needed."""
 
 from kvroute.router.fleet.kvevents.sequence import BatchSequence
 
@@ -46,7 +46,7 @@ def test_only_the_last_window_of_digests_is_kept():
     assert s.classify(0, 999) == "applied"  # too old to tell: not taken for a restart
 
 
-# -- the index writer (router/kvevents/index_writer.py), on a real memory index -------------------
+# -- the index writer (router/fleet/kvevents/index_writer.py), on a real memory index -------------------
 async def _writer_with(index):
     from prometheus_client import CollectorRegistry
 

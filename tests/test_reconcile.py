@@ -1,4 +1,4 @@
-"""The engines' prefix-cache counters re-exported by the router (router/reconcile.py), next to its
+"""The engines' prefix-cache counters re-exported by the router (router/fleet/engine_counters.py), next to its
 own delivered figure: deltas over the window the router watched, restarts, replicas leaving."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Endpoints follow vLLM's rule: an address with a wildcard (``tcp://*:5557``, ``tc
 ``ipc://`` or ``inproc://`` is bound; a specific host is connected to (the subscriber binds one
 socket that many replicas connect to).  The replay endpoint is always bound.  ``bind_host``
 narrows a ``tcp://*:P`` bind to one address, as a pod's own IP is: replicas on 127.0.0.2 and
-127.0.0.3 then both publish on port 5557, which routers find by convention (router/discovery/
+127.0.0.3 then both publish on port 5557, which routers find by convention (router/fleet/discovery/
 event_endpoints.py).
 """
 

@@ -138,7 +138,7 @@ class Fleet:
 
     def on_scrape(self, callback: Callable[[Replica, ScrapeResult], None]) -> None:
         """Call ``callback(replica, result)`` after each successful /metrics scrape (the engines'
-        own counters, e.g. router/reconcile.py)."""
+        own counters, e.g. router/fleet/engine_counters.py)."""
         self._scrape_listeners.append(callback)
 
     # -- queries (synchronous, no I/O) --------------------------------------------------------

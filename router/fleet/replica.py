@@ -29,7 +29,7 @@ class Replica:
     model_cards: list[dict[str, Any]] = field(default_factory=list)
     block_size: int | None = None  # effective: configured, else scraped, else registered
     capacity_blocks: int | None = None
-    events_endpoint: str | None = None  # router/discovery/event_endpoints.py says which
+    events_endpoint: str | None = None  # router/fleet/discovery/event_endpoints.py says which
     replay_endpoint: str | None = None
     events_origin: str | None = None  # "registered", "configured", "convention"
     kv_events: KVEventsState = "off"  # the KV-event subscriber reports it (set_kv_events)

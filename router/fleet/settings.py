@@ -1,5 +1,5 @@
 """The fleet's settings (``--fleet.*``): where replicas come from, how they are probed, where
-their KV events are.  A field of RouterSettings (router/config.py); router/fleet.py acts on them."""
+their KV events are.  A field of RouterSettings (router/config.py); router/fleet/membership.py acts on them."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from kvroute.router.fleet.kvevents.translate import SKIP_REASONS
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 # from a millisecond (same host) to seconds (a stalled index or a skewed clock)
-KV_EVENTS_STATES = ("off", "pending", "following", "silent")  # router/fleet.py's KVEventsState
+KV_EVENTS_STATES = ("off", "pending", "following", "silent")  # router/fleet/replica.py's KVEventsState
 LAG_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

@@ -1,6 +1,6 @@
 """The replay client: asks a replica's replay endpoint (vLLM's ROUTER socket) for the batches it
 still buffers from a given seq.  Request ``[b"", start_seq]``; answers ``[b"", (topic,) seq,
-payload]`` per batch, then an end marker with seq -1 (router/kvevents/wire.py parses both)."""
+payload]`` per batch, then an end marker with seq -1 (router/fleet/kvevents/wire.py parses both)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 ``fleet.subscribe(subscriber.on_fleet_event)``, which watches a replica with event endpoints
 once it is up and stops when it goes down or leaves); ``await stop()``.  ``on_state(replica,
 state)`` hears whether each followed replica's events come ("pending", "following", "silent":
-router/kvevents/liveness.py), which the fleet turns into the index's event mode.
+router/fleet/kvevents/liveness.py), which the fleet turns into the index's event mode.
 
 Several routers sharing one Redis index each subscribe to every replica and apply the same
 events, uncoordinated: every write is idempotent (``confirm`` sets state and bumps the LRU stamp,

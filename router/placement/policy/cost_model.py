@@ -192,7 +192,7 @@ class CostModelPolicy(Policy):
         """How many times slower than the fleet ``r`` serves (1: not slow).  Identical replicas'
         learned rates differ by tens of percent (short prefills are mostly step overhead), so only
         a shortfall beyond ``slow_margin`` counts; it fades once ``r`` takes no samples (the
-        next one after ``RATE_STALE_S`` replaces the stale rate: router/load.py)."""
+        next one after ``RATE_STALE_S`` replaces the stale rate: router/placement/load.py)."""
         if self.slow_margin is None:
             return 1.0
         excess = pooled / self.rate_of(r) - self.slow_margin - 1.0
