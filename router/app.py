@@ -52,6 +52,7 @@ from kvroute.router.placement.load import LoadTracker
 from kvroute.router.placement.policy import make_policy
 from kvroute.router.placement.sequence import Placement
 from kvroute.router.request.accounting import Accounting
+from kvroute.router.request.prompt import PromptBuilder
 from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.router.request.reuse import ReuseTracker
 from kvroute.router.request.route import Router
@@ -116,7 +117,8 @@ class RouterApp:
         self.responses = ResponseMemory(int(s.responses_memory_mb * 2**20))
         # the index client bounds the lookup by index_timeout_s and writes predictions behind the answer
         self.placement = Placement(self.policy, self.index_client, self.load)
-        self.router = Router(s, fleet=self.fleet, placement=self.placement, tokenizers=self.tokenizers, metrics=self.metrics)
+        prompts = PromptBuilder(self.tokenizers, want_text=self.policy.needs_text)
+        self.router = Router(s, fleet=self.fleet, placement=self.placement, prompts=prompts, metrics=self.metrics)
         self.accounting = Accounting(self.placement, self.reuse, self.metrics)
         self.proxy = Proxy(self.upstream, self.timeouts, upstream_headers=self.fleet.upstream_headers())
         self.admission = Admission(

@@ -71,6 +71,7 @@ def test_routing_chooses_again_when_the_pick_cannot_be_claimed():
     from kvroute.router.placement.policy.base import Query
     from kvroute.router.placement.policy.round_robin import RoundRobinPolicy
     from kvroute.router.placement.sequence import Placement
+    from kvroute.router.request.prompt import PromptBuilder
     from kvroute.router.request.route import Router
 
     load = LoadTracker()
@@ -78,7 +79,8 @@ def test_routing_chooses_again_when_the_pick_cannot_be_claimed():
     policy = RoundRobinPolicy()
     placement = Placement(policy, IndexClient(MemoryIndex()), load)
     fleet = SimpleNamespace(claim=lambda name: claimed.append(name) or name != "b")
-    router = Router(RouterSettings(), fleet=fleet, placement=placement, tokenizers=TokenizerRegistry(),
+    router = Router(RouterSettings(), fleet=fleet, placement=placement,
+                    prompts=PromptBuilder(TokenizerRegistry(), want_text=False),
                     metrics=RouterMetrics(policy.name, policy.reasons))
     replicas = [Replica(name=n, url=n, breaker=CircuitBreaker()) for n in ("a", "b")]
     picks = [router._place(Query(chain=(), prompt_tokens=8, block_size=16), replicas, f"k{i}", ((),))[1].replica

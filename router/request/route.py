@@ -27,7 +27,7 @@ from typing import Any
 from kvroute.common.blocks import namespace_seed
 from kvroute.common.errors import ApiError
 from kvroute.common.requests import ParsedRequest
-from kvroute.common.tokens import PromptTooLong, TokenizerRegistry
+from kvroute.common.tokens import PromptTooLong
 
 from kvroute.router.config import RouterSettings
 from kvroute.router.fleet.catalogue import adapter_of, max_model_len
@@ -87,13 +87,13 @@ class Router:
         *,
         fleet: Fleet,
         placement: Placement,
-        tokenizers: TokenizerRegistry,
+        prompts: PromptBuilder,
         metrics: RouterMetrics,
     ):
         self.settings = settings
         self.fleet = fleet
         self.placement = placement
-        self.prompts = PromptBuilder(tokenizers, want_text=placement.policy.needs_text)
+        self.prompts = prompts
         self.metrics = metrics
         self._ids = itertools.count()
         self.chains = ChainMemo()
