@@ -1,4 +1,5 @@
-"""The API's handlers: each request flows down through them and its results come back as values.
+"""The API's handlers: each request flows down through them and its results come back as values
+(docs/design.md §1 follows one streamed chat request through every module).
 
 A routed request (``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``):
 admission (key, body, in-flight slot) -> the request layer's :class:`Router` (a frozen

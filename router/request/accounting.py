@@ -1,4 +1,5 @@
-"""What a request's answer teaches the router, once it is known: the steps after the route.
+"""What a request's answer teaches the router, once it is known: the steps after the route
+(docs/design.md §1, step 9).
 
 ``first_token`` (the replica's first token came back: the placement learns its prefill rate and
 the policy its timing, the TTFT histogram a sample), ``report`` (the request ended, answered or

@@ -1,5 +1,5 @@
 """A request's route: where it goes, decided once, and again when its replica fails before the
-first byte.
+first byte (docs/design.md §1).
 
 the prompt (``prompt.py``: tokens) -> block chain (seed: model, LoRA adapter, cache_salt) -> the
 routing sequence of ``router/placement/sequence.py`` (index lookup -> policy over a snapshot of
