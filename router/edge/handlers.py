@@ -204,12 +204,11 @@ class Handlers:
         try:
             failure: Unanswered | None = None
             while True:
+                attempts, replica = attempts + 1, route.replica  # counted while in flight, as sent
+                sent_at = time.perf_counter() if sent_at is None else sent_at
                 attempt = await self.proxy.open(
                     route.replica, route.url, request.path, body, request_id=rid, stream=parsed.stream
                 )
-                attempts += 1
-                replica = attempt.replica
-                sent_at = attempt.sent_at if sent_at is None else sent_at
                 if isinstance(attempt, Opened):
                     opened = attempt
                     break
@@ -265,9 +264,9 @@ class Handlers:
             order = self.fleet.claim_in_order([r.name for r in replicas], 1 + self.settings.retry_attempts)
             failure: Unanswered | None = None
             for name in order:  # no routing: tried in order
+                attempts, replica = attempts + 1, name  # counted while in flight, as sent
                 attempt = await self.proxy.open(name, self._url(name), request.path, raw, request_id=request[REQUEST_ID],
                                                 stream=False)
-                attempts, replica = attempts + 1, name
                 if isinstance(attempt, Unanswered):
                     failure = attempt
                     self._replica_failed(name, attempt.stage)

@@ -78,7 +78,6 @@ class Opened:
     upstream: UpstreamResponse
     data: bytes  # the whole body (non-streamed or an error), else the stream's first chunk
     ttft_s: float | None  # a stream's time to its first event; None for a whole answer
-    sent_at: float  # perf_counter when the request was sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +88,6 @@ class Unanswered:
     status: int  # the replica's (429, 5xx), or 502 (it failed) / 504 (it timed out)
     error: str | bytes  # why (bytes: the replica's own error answer, in OpenAI's shape)
     stage: Stage | None  # the replica failed (its breaker counts it); None: only busy (a 429)
-    sent_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,11 +178,11 @@ class Proxy:
                     log.warning("request %s: replica %s answered %d", request_id, replica, upstream.status)
                     # a 429 is a busy replica, not a broken one: retry elsewhere, keep its breaker
                     stage: Stage | None = None if upstream.status == 429 else "first_byte"
-                    return Unanswered(replica, upstream.status, normalize_error_body(upstream.status, data), stage, sent)
+                    return Unanswered(replica, upstream.status, normalize_error_body(upstream.status, data), stage)
                 if upstream.status >= 400 or not stream:
                     data = await upstream.read()  # whole: within the first-byte timeout
                     upstream.release()
-                    return Opened(replica, upstream, data, None, sent)
+                    return Opened(replica, upstream, data, None)
                 first = await upstream.readany()
                 if not first:
                     raise UpstreamDisconnected("stream ended before its first event")
@@ -198,8 +196,8 @@ class Proxy:
             stage = "connect" if isinstance(exc, UpstreamConnectError) else "first_byte"
             error = f"replica {replica} failed before answering ({stage}): {_describe(exc)}"
             log.warning("request %s: %s", request_id, error)
-            return Unanswered(replica, 504 if isinstance(exc, TimeoutError) else 502, error, stage, sent)
-        return Opened(replica, upstream, first, time.perf_counter() - sent, sent)
+            return Unanswered(replica, 504 if isinstance(exc, TimeoutError) else 502, error, stage)
+        return Opened(replica, upstream, first, time.perf_counter() - sent)
 
     async def respond(
         self, request: web.Request, opened: Opened, *, request_id: str, strip_usage: bool = False
