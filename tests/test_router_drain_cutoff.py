@@ -61,3 +61,23 @@ async def test_requests_cut_at_the_drain_timeout_are_counted_as_503_not_as_clien
             samples = await scrape(app.url)
             assert total(samples, "kvroute_requests_total", status="503") == 1
             assert total(samples, "kvroute_requests_total", status="499") == 0
+
+
+async def test_the_access_line_of_a_request_cut_at_the_drain_timeout_names_its_route(caplog):
+    # what the handler learned comes back with the cancellation (no side channel): the cutoff's answer
+    # carries it to the access log
+    caplog.set_level("INFO", logger="kvroute.access")
+    async with emulated_replicas(1, time_scale=1.0) as (rep,):
+        async with running_router([rep.url]) as app:
+            async with aiohttp.ClientSession() as s:
+                whole = asyncio.create_task(s.post(app.url + "/v1/chat/completions", json=chat(False)))
+                await asyncio.sleep(0.5)
+                assert await app.cutoff.cut() == 1
+                resp = await asyncio.wait_for(whole, 10)
+                assert resp.status == 503
+                resp.release()
+            await asyncio.sleep(0.05)  # the line is written a loop turn after the answer
+    lines = [r for r in caplog.records if r.name == "kvroute.access"]
+    assert len(lines) == 1
+    assert lines[0].status == 503 and lines[0].replica == rep.url and lines[0].model == MODEL
+    assert lines[0].reason and lines[0].attempts == 1

@@ -61,6 +61,11 @@ def cut_short(exc: BaseException, exchange: Exchange) -> BaseException:
     return exc
 
 
+def carried(exc: BaseException) -> Exchange | None:
+    """The exchange ``exc`` holds (:func:`cut_short`), if any."""
+    return getattr(exc, "kvroute_exchange", None)
+
+
 class AccessLog:
     def __init__(self, request_id: Callable[[web.Request], str]):
         self._request_id = request_id
@@ -81,7 +86,7 @@ class AccessLog:
             raise
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             status = 499  # the client left (nginx's code); a drain cutoff is answered 503 inside
-            exchange = getattr(exc, "kvroute_exchange", None)
+            exchange = carried(exc)
             raise
         finally:
             duration = time.perf_counter() - started

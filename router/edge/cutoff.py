@@ -18,6 +18,8 @@ from aiohttp import web
 
 from kvroute.common.errors import error_response, sse_error_event
 
+from kvroute.router.edge.access_log import answered, carried, cut_short
+
 log = logging.getLogger("kvroute.router")
 
 _RESPONSE = web.RequestKey("cutoff_response", web.StreamResponse)
@@ -44,11 +46,16 @@ class RequestCutoff:
         self._running.add(task)
         try:
             return await handler(request)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if not self.cutting:
                 raise  # the client left
             task.uncancel()
-            return await self._end(request)
+            exchange = carried(exc)  # what the handler learned, for the access log
+            try:
+                resp = await self._end(request)
+            except asyncio.CancelledError as cut:
+                raise cut if exchange is None else cut_short(cut, exchange)
+            return resp if exchange is None else answered(resp, exchange)
         finally:
             self._running.discard(task)
 
