@@ -1,4 +1,4 @@
-"""What router/server.py takes from aiohttp's private server internals is still there.
+"""What router/edge/server.py takes from aiohttp's private server internals is still there.
 
 aiohttp has no public hook for header or body timeouts, so the router's slow-client protection
 (``ClientHandler``) subclasses aiohttp's per-connection protocol ``RequestHandler`` and reads and
@@ -7,7 +7,7 @@ sets its private state; ``_ClientServer`` and ``ClientAppRunner`` extend ``Serve
 pyproject.toml bounds aiohttp to the range tested (the floor by `make test-lowest`, the newest by
 `make test`), and this file fails when a name the router uses is gone or changed shape:
 
-- every private member router/server.py reads from aiohttp's objects (found by parsing it, so a
+- every private member router/edge/server.py reads from aiohttp's objects (found by parsing it, so a
   new use is checked without editing this file) exists on a real ``RequestHandler``, ``Server``
   and ``AppRunner`` built here, with the type the router expects;
 - the methods ``ClientHandler`` overrides and the constructors it calls keep their parameters;
@@ -34,11 +34,11 @@ from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from aiohttp.web_server import Server
 
 REPO = Path(__file__).resolve().parents[1]
-SERVER = REPO / "router" / "server.py"
+SERVER = REPO / "router" / "edge" / "server.py"
 
 
 def used_members() -> dict[str, set[str]]:
-    """The members of aiohttp's objects that router/server.py uses, by the object they are used on:
+    """The members of aiohttp's objects that router/edge/server.py uses, by the object they are used on:
     ``handler`` (RequestHandler: ``self.X`` in ClientHandler, ``self._protocol.X`` in the
     lingering transport), ``server`` (Server: ``self.X`` in _ClientServer, ``server.X`` in the
     runner) and ``runner`` (``super().X`` in ClientAppRunner).  Members the router's own classes

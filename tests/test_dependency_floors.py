@@ -1,5 +1,5 @@
 """pyproject.toml's dependency ranges: each direct runtime dependency has a floor, aiohttp (whose
-private server internals router/server.py extends, tests/test_aiohttp_internals.py) a ceiling
+private server internals router/edge/server.py extends, tests/test_aiohttp_internals.py) a ceiling
 too, and under `make test-lowest` (KVROUTE_LOWEST_DEPS=1) what is installed is each floor itself,
 so the tests run there show that floor holds."""
 

@@ -1,6 +1,6 @@
 """Every module of the package imports: with the versions installed here, and in `make
 test-lowest` with the lowest version pyproject.toml allows of each direct dependency (a floor
-that does not hold fails here first: `aiohttp>=3.9` was declared while router/access_log.py used
+that does not hold fails here first: `aiohttp>=3.9` was declared while router/edge/access_log.py used
 aiohttp 3.12's RequestKey)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def modules() -> list[str]:
 
 def test_the_modules_are_found():
     found = modules()
-    assert {"kvroute.router", "kvroute.router.app", "kvroute.router.server", "kvroute.router.access_log",
+    assert {"kvroute.router", "kvroute.router.app", "kvroute.router.edge.server", "kvroute.router.edge.access_log",
             "kvroute.replica.cli", "kvroute.bench.sim", "kvroute.cli"} <= set(found)
     assert len(found) > 100 and all((REPO / folder).is_dir() for folder in PACKAGE_DIRS.values())
 
