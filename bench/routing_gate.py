@@ -256,6 +256,14 @@ class FleetProcess:
                 if resp.status != 200:
                     raise RuntimeError(f"fleet reset failed: HTTP {resp.status}: {await resp.text()}")
 
+    async def engine_ttfts(self) -> list[list[float]]:
+        """Per replica, the engines' own TTFTs since the last reset (wall-equivalent seconds)."""
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            async with http.get(self.info["control"] + "/ttfts") as resp:
+                return (await resp.json())["ttfts"]
+
     def cpu(self) -> float | None:
         return cpu_seconds(self.proc.pid) if self.proc else None
 
@@ -351,6 +359,18 @@ def cpu_jiffies() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
+def engine_figures(per_replica: list[list[float]], limit: dict[str, float] | None) -> dict[str, Any]:
+    """TTFT percentiles as the engines saw them (submission to first token, no HTTP, router or
+    client time): the routing's effect without this machine's CPU noise."""
+    from .limit import percentiles
+
+    ttfts = np.array([t for ts in per_replica for t in ts])
+    out: dict[str, Any] = {**percentiles(ttfts), "first_tokens": int(ttfts.size)}
+    if limit:
+        out["ttft_vs_limit"] = {k: out[k] / limit[k] if limit[k] else math.nan for k in TTFT_KEYS}
+    return out
+
+
 @dataclass
 class Config:
     name: str  # the row's name: policy, or compare:policy
@@ -420,6 +440,7 @@ async def run_config(prep: Prepared, config: Config, fleet: FleetProcess, args: 
             figures["cpu_s"]["machine_cores"] = os.cpu_count()
         with contextlib.suppress(Exception):
             figures.update(await router_figures(url))
+        figures["engine"] = engine_figures(await fleet.engine_ttfts(), figures.get("limit"))
         if prep.spec.slow:
             slow_urls = [r["url"] for r in fleet.info["replicas"][-prep.spec.slow :]]
             per = figures.get("routed_per_replica") or {}
@@ -452,13 +473,25 @@ def spread_for(spread: dict[str, Any], workload: str) -> dict[str, float]:
     return out
 
 
-METRICS = ("reuse", *TTFT_KEYS)
+ENGINE_KEYS = tuple(f"engine_{k}" for k in TTFT_KEYS)
+METRICS = ("reuse", *TTFT_KEYS, *ENGINE_KEYS, "router_cpu")
 
 
 def metric_value(fig: dict[str, Any], metric: str) -> float:
     if metric == "reuse":
         return float(fig.get("delivered_share_of_available") or math.nan)
+    if metric == "router_cpu":  # the router's CPU per request sent, ready to the replay's end
+        cpu = (fig.get("cpu_s") or {}).get("router")
+        return cpu / fig["requests"] if cpu is not None and fig.get("requests") else math.nan
+    if metric.startswith("engine_"):
+        return float((fig.get("engine") or {}).get(metric[7:]) or math.nan)
     return float(fig.get(metric) or math.nan)
+
+
+def metric_label(metric: str) -> str:
+    if metric in ("reuse", "router_cpu"):
+        return metric.replace("_", " ")
+    return ("engine " if metric.startswith("engine_") else "") + metric.split("_")[-2]
 
 
 def verdict(workload: str, configs: dict[str, dict[str, Any]], spread: dict[str, Any]) -> dict[str, Any] | None:
@@ -473,6 +506,8 @@ def verdict(workload: str, configs: dict[str, dict[str, Any]], spread: dict[str,
     deltas: dict[str, float] = {}
     for metric in METRICS:
         a, b = metric_value(mine, metric), metric_value(theirs, metric)
+        if not (math.isfinite(a) and math.isfinite(b)):
+            continue
         if metric == "reuse":
             d = a - b  # points lost are negative
             deltas[metric] = d
@@ -482,7 +517,7 @@ def verdict(workload: str, configs: dict[str, dict[str, Any]], spread: dict[str,
             d = a / b - 1 if b else math.nan
             deltas[metric] = d
             if d > allowed.get(metric, 0.0):
-                worse.append(f"{metric[5:8]} {d:+.0%} (spread {allowed.get(metric, 0.0):.0%})")
+                worse.append(f"{metric_label(metric)} {d:+.0%} (spread {allowed.get(metric, 0.0):.0%})")
     if mine.get("errors", 0) > theirs.get("errors", 0):
         worse.append(f"errors {mine.get('errors')} vs {theirs.get('errors')}")
     return {"regression": bool(worse), "worse": worse, "deltas": deltas, "spread": allowed}
@@ -531,34 +566,45 @@ def print_workload(name: str, w: dict[str, Any], console: Any) -> None:
 
     info = w["workload"]
     slow = f", replica {info['slow_factor']:g}x slower" if info.get("slow_replicas") else ""
-    table = Table(title=f"{name}: {info['requests']} requests, {info['load']:.0%} load{slow}, time scale "
+    table = Table(title=f"{name}: {info['requests']} requests, {info['load']:.0%} load{slow}, replicas' time scale "
                   f"{info['time_scale']:.2f}, {info['wall_rate']:g} req/s", title_justify="left")
-    for col in ("config", "available", "delivered", "deliv/avail", "TTFT p50", "TTFT p90", "TTFT p99", "errors", "note"):
+    for col in ("config", "available", "delivered", "deliv/avail", "TTFT p50", "TTFT p90", "TTFT p99",
+                "engine p50/p90/p99", "errors", "note"):
         table.add_column(col, justify="left" if col in ("config", "note") else "right")
-    limit = w.get("limit")
+    limit = w.get("limit") or {}
     if limit:
-        table.add_row("[i]physical limit[/]", "", "", "", *(fmt_ms(limit[k]) for k in TTFT_KEYS), "", "", end_section=True)
-    rows = [*w["configs"].items(), *w.get("sim", {}).items()]
-    for i, (cfg, fig) in enumerate(rows):
-        cells = [f"{fig[k] / limit[k]:.2f}x {fmt_ms(fig[k])}" if limit and limit.get(k) and fig.get(k) is not None
-                 else fmt_ms(fig.get(k)) for k in TTFT_KEYS] if limit else [fmt_ms(fig.get(k)) for k in TTFT_KEYS]
+        table.add_row("[i]physical limit[/]", "", "", "", *(fmt_ms(limit[k]) for k in TTFT_KEYS), "", "", "",
+                      end_section=True)
+
+    def mult(x: float | None, k: str) -> str:
+        return f"{x / limit[k]:.2f}x" if x is not None and limit.get(k) and math.isfinite(x) else "-"
+
+    live = list(w["configs"].items())
+    for i, (cfg, fig) in enumerate([*live, *w.get("sim", {}).items()]):
+        sim = cfg.startswith(SIM_PREFIX)
+        client = ["" if sim else f"{mult(fig.get(k), k)} {fmt_ms(fig.get(k))}" for k in TTFT_KEYS]
+        engine = fig if sim else (fig.get("engine") or {})
         notes = []
         if fig.get("slow_share") is not None:
             notes.append(f"slow replica {fig['slow_share']:.0%} of requests")
-        if fig.get("cpu_s") and fig["cpu_s"].get("router") is not None:
-            notes.append(f"router CPU {fig['cpu_s']['router']:.1f} s")
-        if fig.get("cpu_s") and fig["cpu_s"].get("others_cores") is not None:
-            notes.append(f"others {fig['cpu_s']['others_cores']:.1f} cores")
+        cpu = fig.get("cpu_s") or {}
+        if cpu.get("router") is not None:
+            notes.append(f"router CPU {cpu['router']:.1f} s")
+        if cpu.get("others_cores") is not None:
+            notes.append(f"others {cpu['others_cores']:.1f} cores")
         table.add_row(cfg, pct(fig.get("reuse_available", math.nan)), pct(fig.get("reuse_delivered", math.nan)),
-                      pct(fig.get("delivered_share_of_available", math.nan)), *cells, str(fig.get("errors", 0)),
-                      ", ".join(notes), end_section=i == len(w["configs"]) - 1)
-    table.caption = ("TTFT: multiple of the physical limit's percentile (each request alone on an idle replica, one "
-                     "infinite shared cache), then wall ms; sim: the simulator on the same requests, engine time x time scale")
+                      pct(fig.get("delivered_share_of_available", math.nan)), *client,
+                      " / ".join(mult(engine.get(k), k) for k in TTFT_KEYS), str(fig.get("errors", 0)),
+                      ", ".join(notes), end_section=i == len(live) - 1)
+    table.caption = ("TTFT: at the client, as a multiple of the physical limit's percentile (each request alone on an idle "
+                     "replica, one infinite shared cache), then wall ms.  engine: the replicas' own TTFT (submission to first "
+                     "token: no HTTP, router or client time, so little of this machine's noise), as multiples.  sim: the "
+                     "simulator on the same requests (engine time x time scale).  others: cores other jobs took meanwhile.")
     table.caption_justify = "left"
     console.print(table)
     v = w.get("verdict")
     if v is not None:
-        deltas = ", ".join(f"{m if m == 'reuse' else m[5:8]} {d * 100:+.1f} pts" if m == "reuse" else f"{m[5:8]} {d:+.0%}"
+        deltas = ", ".join(f"reuse {d * 100:+.1f} pts" if m == "reuse" else f"{metric_label(m)} {d:+.0%}"
                            for m, d in v["deltas"].items())
         if v["regression"]:
             console.print(f"[bold red]REGRESSION[/] {name}: {DEFAULT_POLICY} vs {COMPARE_PREFIX}{DEFAULT_POLICY}: "
@@ -619,10 +665,13 @@ async def run_gate(args: argparse.Namespace) -> dict[str, Any]:
                     fig = await run_config(prep, config, fleet, args, logs)
                     w["runs"].setdefault(config.name, []).append(fig)
                     m = fig.get("ttft_vs_limit") or {}
+                    e = fig["engine"].get("ttft_vs_limit") or {}
                     err.print(f"  {config.name:<24} {fig['answered']}/{fig['requests']} answered, reuse "
                               f"{fig['delivered_share_of_available']:.1%} of available, TTFT p50/p90/p99 "
-                              + "/".join(f"{m.get(k_, math.nan):.2f}x" for k_ in TTFT_KEYS)
-                              + f", {fig['run_wall_s']:.0f} s (router CPU {fig['cpu_s']['router']} s)")
+                              + "/".join(f"{m.get(k_, math.nan):.2f}x" for k_ in TTFT_KEYS) + " (engine "
+                              + "/".join(f"{e.get(k_, math.nan):.2f}x" for k_ in TTFT_KEYS)
+                              + f"), {fig['run_wall_s']:.0f} s, router CPU {fig['cpu_s']['router']} s, others "
+                              + f"{fig['cpu_s'].get('others_cores')} cores")
         finally:
             await fleet.stop()
         for cfg, runs in w["runs"].items():
@@ -648,6 +697,10 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = float(np.median([r[key] for r in runs]))
     if out.get("limit"):
         out["ttft_vs_limit"] = {k: out[k] / out["limit"][k] for k in TTFT_KEYS}
+    if all(r.get("engine") for r in runs):
+        out["engine"] = {k: float(np.median([r["engine"][k] for r in runs])) for k in TTFT_KEYS}
+        if out.get("limit"):
+            out["engine"]["ttft_vs_limit"] = {k: out["engine"][k] / out["limit"][k] for k in TTFT_KEYS}
     return out
 
 

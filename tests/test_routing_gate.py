@@ -16,7 +16,7 @@ import aiohttp
 from bench.demo import parse_metrics, total
 from bench.demo_fleet import EmulatedFleet, demo_stack
 from bench.limit import LIMIT_KEYS, available_blocks, chains_of
-from bench.routing_gate import COMPARE_PREFIX, measure_spread, verdict
+from bench.routing_gate import COMPARE_PREFIX, ENGINE_KEYS, METRICS, measure_spread, verdict
 from replica.assets import TINY_TOKENIZER
 from router.tokens import Tokenizer
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_gate_runs_routers_replay_and_simulator_and_gives_a_verdict(tmp_path):
     spread = tmp_path / "spread.json"
-    spread.write_text(json.dumps({"default": {"reuse": 0.5, "ttft_p50_s": 100.0, "ttft_p90_s": 100.0, "ttft_p99_s": 100.0}}))
+    spread.write_text(json.dumps({"default": {m: 0.5 if m == "reuse" else 100.0 for m in METRICS}}))
     out = tmp_path / "gate.json"
     proc = subprocess.run(
         [sys.executable, "-m", "router.cli", "bench", "gate", "--workloads", "conversation", "--policies", "cost_model",
@@ -46,10 +46,13 @@ def test_the_gate_runs_routers_replay_and_simulator_and_gives_a_verdict(tmp_path
         assert sum(fig["requests_per_replica"].values()) == n  # the router's own count, scraped
         assert len(fig["records"]) == n and all(r["ttft_s"] > 0 for r in fig["records"])
         assert fig["cpu_s"]["router"] > 0
+        engine = fig["engine"]  # the replicas' own TTFTs: below the client's, above the limit
+        assert engine["first_tokens"] == n
+        assert all(fig["limit"][k] * 0.99 <= engine[k] <= fig[k] for k in LIMIT_KEYS)
     assert set(w["sim"]) == {"sim:cost_model"} and w["sim"]["sim:cost_model"]["answered"] == n
     # the same code on both sides, inside a generous spread: no regression (and --strict exits 0)
     assert w["verdict"] is not None and w["verdict"]["regression"] is False
-    assert set(w["verdict"]["deltas"]) == {"reuse", *LIMIT_KEYS}
+    assert set(w["verdict"]["deltas"]) == {"reuse", *LIMIT_KEYS, *ENGINE_KEYS, "router_cpu"}
     assert "conversation" in proc.stdout and "OK" in proc.stdout
 
 

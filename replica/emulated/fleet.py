@@ -14,8 +14,11 @@ convention.  ``--slow K --slow-factor F``: the last K replicas run F times slowe
 Control (HTTP, on ``control``): ``POST /reset`` waits until no replica runs a request, empties
 every replica's prefix cache (vLLM's ``/reset_prefix_cache``: an ``AllBlocksCleared`` event) and
 the shared tokenizer's segment cache, so that the next run starts as cold as a fresh fleet
-without a restart; ``GET /replicas`` repeats the first line's object.  SIGTERM or SIGINT stops
-everything.
+without a restart; ``GET /ttfts`` lists the engines' own TTFTs since the last reset (each
+request's first token minus its submission to the engine, in virtual seconds times that
+replica's time scale: wall seconds of an unloaded machine; what the HTTP servers, the router and
+the client add is not in it); ``GET /replicas`` repeats the first line's object.  SIGTERM or
+SIGINT stops everything.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Fleet:
         self.replicas: list[Any] = []
         self.scales: list[float] = []
         self.tokenizer: Any = None
+        self.ttfts: list[list[float]] = []  # per replica, engine TTFTs (wall-equivalent s) since the reset
 
     async def start(self) -> None:
         from replica.assets import TINY_TOKENIZER
@@ -78,6 +82,14 @@ class Fleet:
                                    time_scale=scale, max_model_len=a.max_model_len,
                                    events_endpoint=f"tcp://{a.host}:*", replay_endpoint=f"tcp://{a.host}:*")
             replica = EmulatedReplica(config, tokenizer=self.tokenizer)
+            self.ttfts.append([])
+            record = replica.metrics.first_token  # the driver reports each first token here
+
+            def first_token(ttft_s: float, _record: Any = record, _into: list[float] = self.ttfts[-1], _scale: float = scale) -> None:
+                _into.append(ttft_s * _scale)
+                _record(ttft_s)
+
+            replica.metrics.first_token = first_token  # type: ignore[method-assign]
             await replica.start()
             self.replicas.append(replica)
             self.scales.append(scale)
@@ -109,6 +121,8 @@ class Fleet:
                     raise TimeoutError(f"{len(pending)} replicas still run requests after {timeout_s:g} s")
                 await asyncio.sleep(0.05)
         self.tokenizer.cache.clear()
+        for ttfts in self.ttfts:
+            ttfts.clear()
         return {"reset": len(self.replicas), "waited_s": round(time.monotonic() - t0, 3)}
 
 
@@ -129,6 +143,7 @@ async def serve(args: argparse.Namespace) -> int:
     app = web.Application()
     app.router.add_post("/reset", reset)
     app.router.add_get("/replicas", lambda _: web.json_response(fleet.describe(control)))
+    app.router.add_get("/ttfts", lambda _: web.json_response({"ttfts": fleet.ttfts}))
     runner = web.AppRunner(app, access_log=None)
     try:
         await fleet.start()
