@@ -76,14 +76,14 @@ class GateWorkload:
 
 
 WORKLOADS: dict[str, GateWorkload] = {w.name: w for w in (
-    GateWorkload("trace", "trace", 200, 0.70, trace_start=3500,
+    GateWorkload("trace", "trace", 160, 0.70, trace_start=3500,
                  note="Mooncake's synthetic trace from row 3,500 (its reuse grows along it), rows over 30k tokens left out"),
     GateWorkload("conversation", "conversation", 200, 0.70,
                  note="long new first turns behind shared system prompts, then short turns; the shape that broke"),
     GateWorkload("sessions", "sessions", 200, 0.70, note="LMCache's multi-round QA as chats"),
     GateWorkload("handbook", "handbook", 200, 0.70, note="one hot shared document, short unique questions"),
     GateWorkload("conversation-90", "conversation", 200, 0.90, note="conversation at 90% of the fleet's capacity"),
-    GateWorkload("slow-replica", "sessions", 200, 0.65, slow=1,
+    GateWorkload("slow-replica", "sessions", 160, 0.65, slow=1,
                  note="sessions on a fleet whose last replica serves 10x slower (healthy)"),
 )}
 
@@ -474,12 +474,15 @@ def spread_for(spread: dict[str, Any], workload: str) -> dict[str, float]:
 
 
 ENGINE_KEYS = tuple(f"engine_{k}" for k in TTFT_KEYS)
-METRICS = ("reuse", *TTFT_KEYS, *ENGINE_KEYS, "router_cpu")
+METRICS = ("reuse", *TTFT_KEYS, *ENGINE_KEYS, "router_cpu", "errors")
+ABSOLUTE = ("reuse", "errors")  # compared as differences (points, requests); the rest as ratios
 
 
 def metric_value(fig: dict[str, Any], metric: str) -> float:
     if metric == "reuse":
         return float(fig.get("delivered_share_of_available") or math.nan)
+    if metric == "errors":
+        return float(fig.get("errors") or 0)
     if metric == "router_cpu":  # the router's CPU per request sent, ready to the replay's end
         cpu = (fig.get("cpu_s") or {}).get("router")
         return cpu / fig["requests"] if cpu is not None and fig.get("requests") else math.nan
@@ -489,15 +492,15 @@ def metric_value(fig: dict[str, Any], metric: str) -> float:
 
 
 def metric_label(metric: str) -> str:
-    if metric in ("reuse", "router_cpu"):
+    if metric in ("reuse", "router_cpu", "errors"):
         return metric.replace("_", " ")
     return ("engine " if metric.startswith("engine_") else "") + metric.split("_")[-2]
 
 
 def verdict(workload: str, configs: dict[str, dict[str, Any]], spread: dict[str, Any]) -> dict[str, Any] | None:
     """The default policy against the compared checkout's: a regression where it loses reuse (its
-    delivered share of the available, in points) or any TTFT percentile (relative) by more than the
-    measured run-to-run spread, or errs where the other does not."""
+    delivered share of the available, in points), any TTFT percentile or router CPU (relative),
+    or has more errors, by more than the measured run-to-run spread."""
     mine, theirs = configs.get(DEFAULT_POLICY), configs.get(COMPARE_PREFIX + DEFAULT_POLICY)
     if mine is None or theirs is None:
         return None
@@ -508,18 +511,19 @@ def verdict(workload: str, configs: dict[str, dict[str, Any]], spread: dict[str,
         a, b = metric_value(mine, metric), metric_value(theirs, metric)
         if not (math.isfinite(a) and math.isfinite(b)):
             continue
+        limit = allowed.get(metric, 0.0)
         if metric == "reuse":
-            d = a - b  # points lost are negative
-            deltas[metric] = d
-            if d < -allowed.get(metric, 0.0):
-                worse.append(f"reuse {d * 100:+.1f} pts (spread {allowed.get(metric, 0.0) * 100:.1f})")
+            d = deltas[metric] = a - b  # points lost are negative
+            if d < -limit:
+                worse.append(f"reuse {d * 100:+.1f} pts (spread {limit * 100:.1f})")
+        elif metric == "errors":
+            d = deltas[metric] = a - b
+            if d > limit:
+                worse.append(f"errors {a:.0f} vs {b:.0f} (spread {limit:.0f})")
         else:
-            d = a / b - 1 if b else math.nan
-            deltas[metric] = d
-            if d > allowed.get(metric, 0.0):
-                worse.append(f"{metric_label(metric)} {d:+.0%} (spread {allowed.get(metric, 0.0):.0%})")
-    if mine.get("errors", 0) > theirs.get("errors", 0):
-        worse.append(f"errors {mine.get('errors')} vs {theirs.get('errors')}")
+            d = deltas[metric] = a / b - 1 if b else math.nan
+            if d > limit:
+                worse.append(f"{metric_label(metric)} {d:+.0%} (spread {limit:.0%})")
     return {"regression": bool(worse), "worse": worse, "deltas": deltas, "spread": allowed}
 
 
@@ -544,7 +548,10 @@ def measure_spread(paths: list[Path]) -> dict[str, Any]:
             xs = [x for x in xs if math.isfinite(x)]
             if len(xs) < 2:
                 continue
-            workloads[name][metric] = round(max(xs) - min(xs), 4) if metric == "reuse" else round(max(xs) / min(xs) - 1, 4)
+            if metric in ABSOLUTE:
+                workloads[name][metric] = round(max(xs) - min(xs), 4)
+            else:
+                workloads[name][metric] = round(max(xs) / min(xs) - 1, 4) if min(xs) > 0 else math.inf
     default = {m: max((w[m] for w in workloads.values() if m in w), default=0.0) for m in METRICS}
     return {"samples_per_workload": {n: len(next(iter(p.values()))) for n, p in samples.items()},
             "workloads": workloads, "default": default}
@@ -604,8 +611,8 @@ def print_workload(name: str, w: dict[str, Any], console: Any) -> None:
     console.print(table)
     v = w.get("verdict")
     if v is not None:
-        deltas = ", ".join(f"reuse {d * 100:+.1f} pts" if m == "reuse" else f"{metric_label(m)} {d:+.0%}"
-                           for m, d in v["deltas"].items())
+        deltas = ", ".join(f"reuse {d * 100:+.1f} pts" if m == "reuse" else f"errors {d:+.0f}" if m == "errors"
+                           else f"{metric_label(m)} {d:+.0%}" for m, d in v["deltas"].items())
         if v["regression"]:
             console.print(f"[bold red]REGRESSION[/] {name}: {DEFAULT_POLICY} vs {COMPARE_PREFIX}{DEFAULT_POLICY}: "
                           f"{'; '.join(v['worse'])}  ({deltas})")

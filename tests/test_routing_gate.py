@@ -52,7 +52,7 @@ def test_the_gate_runs_routers_replay_and_simulator_and_gives_a_verdict(tmp_path
     assert set(w["sim"]) == {"sim:cost_model"} and w["sim"]["sim:cost_model"]["answered"] == n
     # the same code on both sides, inside a generous spread: no regression (and --strict exits 0)
     assert w["verdict"] is not None and w["verdict"]["regression"] is False
-    assert set(w["verdict"]["deltas"]) == {"reuse", *LIMIT_KEYS, *ENGINE_KEYS, "router_cpu"}
+    assert set(w["verdict"]["deltas"]) == set(METRICS)
     assert "conversation" in proc.stdout and "OK" in proc.stdout
 
 
@@ -61,7 +61,7 @@ def fig(reuse: float, p50: float, p90: float, p99: float, errors: int = 0) -> di
 
 
 def test_verdict_flags_a_loss_beyond_the_spread_and_only_that():
-    spread = {"default": {"reuse": 0.02, "ttft_p50_s": 0.3, "ttft_p90_s": 0.2, "ttft_p99_s": 0.2},
+    spread = {"default": {"reuse": 0.02, "ttft_p50_s": 0.3, "ttft_p90_s": 0.2, "ttft_p99_s": 0.2, "errors": 1},
               "workloads": {"w": {"ttft_p90_s": 0.5}}}
     base = fig(0.90, 1.0, 2.0, 3.0)
     same = verdict("w", {"cost_model": fig(0.89, 1.2, 2.9, 3.5), COMPARE_PREFIX + "cost_model": base}, spread)
@@ -70,7 +70,9 @@ def test_verdict_flags_a_loss_beyond_the_spread_and_only_that():
     assert worse is not None and worse["regression"]
     assert [w.split()[0] for w in worse["worse"]] == ["reuse", "p90"]
     errs = verdict("w", {"cost_model": fig(0.9, 1.0, 2.0, 3.0, errors=2), COMPARE_PREFIX + "cost_model": base}, spread)
-    assert errs is not None and errs["regression"]
+    assert errs is not None and errs["regression"] and errs["worse"][0].startswith("errors 2 vs 0")
+    one = verdict("w", {"cost_model": fig(0.9, 1.0, 2.0, 3.0, errors=1), COMPARE_PREFIX + "cost_model": base}, spread)
+    assert one is not None and not one["regression"]  # one error more is within this spread
     assert verdict("w", {"cost_model": base}, spread) is None  # nothing to compare with
 
 
@@ -82,7 +84,7 @@ def test_spread_is_the_largest_difference_between_runs_of_the_same_code(tmp_path
         paths.append(p)
     s = measure_spread(paths)
     assert s["samples_per_workload"] == {"w": 4}
-    assert s["workloads"]["w"] == {"reuse": 0.03, "ttft_p50_s": 0.5, "ttft_p90_s": 0.2, "ttft_p99_s": 0.1}
+    assert s["workloads"]["w"] == {"reuse": 0.03, "ttft_p50_s": 0.5, "ttft_p90_s": 0.2, "ttft_p99_s": 0.1, "errors": 0}
 
 
 async def test_replay_of_a_generated_chat_workload_reports_what_the_replicas_and_the_ids_say():
