@@ -72,11 +72,15 @@ class GateWorkload:
     slow: int = 0  # replicas (the last ones) that run `slow_factor` times slower
     slow_factor: float = 10.0
     trace_start: int = 0
+    wall_rate: float | None = None  # requests per wall second, if not the gate's --wall-rate
     note: str = ""
 
 
 WORKLOADS: dict[str, GateWorkload] = {w.name: w for w in (
-    GateWorkload("trace", "trace", 160, 0.70, trace_start=3500,
+    # Its prompts are one ~11k-token user message of new text each: ~30 ms of router CPU (and as
+    # much in the replicas) per request, twice the chats'; at the chats' rate other jobs on the
+    # machine then queue it into time-outs.
+    GateWorkload("trace", "trace", 120, 0.70, trace_start=3500, wall_rate=8.0,
                  note="Mooncake's synthetic trace from row 3,500 (its reuse grows along it), rows over 30k tokens left out"),
     GateWorkload("conversation", "conversation", 200, 0.70,
                  note="long new first turns behind shared system prompts, then short turns; the shape that broke"),
@@ -148,13 +152,14 @@ def prepare_workload(spec: GateWorkload, args: argparse.Namespace, out_dir: Path
         reuse_file.write_text(json.dumps({"prompt_tokens": [len(x) for x in ids], "available_tokens": avail.tolist(),
                                           "block_size": bs}))
     prepared = prepare(workload, profile.block_size)
+    wall_rate = (spec.wall_rate or args.wall_rate) if args.wall_rate_given is None else args.wall_rate_given
     slow = (1.0,) * (args.replicas - spec.slow) + (spec.slow_factor,) * spec.slow
     cfg = FleetConfig(replicas=args.replicas, profile=profile, slowdown=slow)
     engine_rate, note = offered_rate(prepared, profile, cfg, spec.load, seed)
     return Prepared(
         spec=spec, kind=kind, rows=data, trace_file=trace_file, reuse_file=reuse_file, sim=retimed(prepared, nominal / engine_rate), cfg=cfg,
-        engine_rate=engine_rate, rate_note=note, time_scale=engine_rate / args.wall_rate, speedup=args.wall_rate / nominal,
-        wall_rate=args.wall_rate, prompt_tokens_mean=float(prepared.prompt_tokens.mean()),
+        engine_rate=engine_rate, rate_note=note, time_scale=engine_rate / wall_rate, speedup=wall_rate / nominal,
+        wall_rate=wall_rate, prompt_tokens_mean=float(prepared.prompt_tokens.mean()),
     )
 
 
@@ -417,7 +422,10 @@ async def run_config(prep: Prepared, config: Config, fleet: FleetProcess, args: 
             replay_cmd += ["--available", str(prep.reuse_file)]
         with open(logs / f"{tag}.replay.log", "ab") as log:
             replay = await asyncio.create_subprocess_exec(*replay_cmd, cwd=str(REPO), stdout=asyncio.subprocess.PIPE, stderr=log)
-            out, _ = await replay.communicate()
+            try:
+                out, _ = await replay.communicate()
+            finally:
+                await stop_process(replay, 5)  # a cancelled gate (Ctrl-C, SIGTERM) leaves nothing running
         usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         jiffies1, replay_wall = cpu_jiffies(), time.perf_counter() - t_replay
         phases["replay_s"] = round(time.perf_counter() - started - phases["ready_s"], 2)
@@ -645,7 +653,7 @@ async def run_gate(args: argparse.Namespace) -> dict[str, Any]:
         router_command(c.checkout)  # a checkout without its virtualenv gets one now, not mid-run
     started = time.perf_counter()
     doc: dict[str, Any] = {"settings": {
-        "replicas": args.replicas, "wall_rate": args.wall_rate, "profile": args.profile.name,
+        "replicas": args.replicas, "wall_rate": args.wall_rate_given or "per workload", "profile": args.profile.name,
         "max_tokens": args.max_tokens, "max_model_len": MAX_MODEL_LEN, "policies": args.policies, "checkout": str(args.checkout or REPO), "compare": str(args.compare) if args.compare else None,
         "requests_scale": args.requests_scale, "repeat": args.repeat, "spread_file": str(args.spread),
         "commit": git_commit(args.checkout or REPO), "compare_commit": git_commit(args.compare) if args.compare else None,
@@ -695,6 +703,15 @@ async def run_gate(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+async def cancellable(coro: Any) -> Any:
+    """``coro``, cancelled by SIGTERM as by Ctrl-C, so that its child processes are stopped."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    return await task
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One run's figures, or, repeated, each metric's median over the runs (the others: the first's)."""
     if len(runs) == 1:
@@ -739,7 +756,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
                    help=f"wall seconds a request may take before it fails (the user gave up; default {REQUEST_TIMEOUT_S:g})")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"cap of every request's output (default {MAX_TOKENS})")
-    p.add_argument("--wall-rate", type=float, default=WALL_RATE, help=f"requests per wall second (default {WALL_RATE:g})")
+    p.add_argument("--wall-rate", type=float, default=None,
+                   help=f"requests per wall second of every workload (default {WALL_RATE:g}; the trace's 8)")
     p.add_argument("--profile", default=None, help="the replicas' timing profile (default: the H100 one)")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator's rows")
     p.add_argument("--json", default=None, metavar="FILE", help="write everything there")
@@ -763,6 +781,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [x for x in args.policies if x not in ALL_POLICIES]
     if bad:
         p.error(f"unknown policy {', '.join(bad)}")
+    args.wall_rate_given, args.wall_rate = args.wall_rate, args.wall_rate or WALL_RATE
     if args.requests_scale <= 0 or args.repeat < 1 or args.replicas < 2 or args.wall_rate <= 0:
         p.error("--requests-scale and --wall-rate must be positive, --repeat at least 1, --replicas at least 2")
     for name in ("compare", "checkout"):
@@ -792,7 +811,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(spread, indent=2))
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    doc = asyncio.run(run_gate(args))
+    try:
+        doc = asyncio.run(cancellable(run_gate(args)))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # the fleet, routers and replays were stopped
+        print("routing gate: interrupted", file=sys.stderr)
+        return 130
     console = Console(width=170)
     for name, w in doc["workloads"].items():
         print_workload(name, w, console)
