@@ -74,6 +74,14 @@ def test_verdict_flags_a_loss_beyond_the_spread_and_only_that():
     one = verdict("w", {"cost_model": fig(0.9, 1.0, 2.0, 3.0, errors=1), COMPARE_PREFIX + "cost_model": base}, spread)
     assert one is not None and not one["regression"]  # one error more is within this spread
     assert verdict("w", {"cost_model": base}, spread) is None  # nothing to compare with
+    # a run on a machine busier than any of the spread's runs: timings measure the machine; reuse still counts
+    busy = {**spread, "max_others_cores": 0.5}
+    slow_busy = {**fig(0.90, 3.0, 6.0, 9.0, errors=5), "cpu_s": {"others_cores": 1.4}}
+    b = verdict("x", {"cost_model": slow_busy, COMPARE_PREFIX + "cost_model": base}, busy)
+    assert b is not None and not b["regression"] and "only reuse judged" in b["note"]
+    lost = verdict("x", {"cost_model": {**slow_busy, "delivered_share_of_available": 0.8},
+                         COMPARE_PREFIX + "cost_model": base}, busy)
+    assert lost is not None and lost["regression"] and lost["worse"][0].startswith("reuse")
 
 
 def test_spread_is_the_largest_difference_between_runs_of_the_same_code(tmp_path):
@@ -85,6 +93,7 @@ def test_spread_is_the_largest_difference_between_runs_of_the_same_code(tmp_path
     s = measure_spread(paths)
     assert s["samples_per_workload"] == {"w": 4}
     assert s["workloads"]["w"] == {"reuse": 0.03, "ttft_p50_s": 0.5, "ttft_p90_s": 0.2, "ttft_p99_s": 0.1, "errors": 0}
+    assert s["max_others_cores"] == 0.0
 
 
 async def test_replay_of_a_generated_chat_workload_reports_what_the_replicas_and_the_ids_say():
