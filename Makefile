@@ -85,6 +85,14 @@ $(SGLANG_VENV)/.installed:
 bench-overhead: install venv-sglang
 	$(BIN)/python -m kvroute.bench.router_overhead --sglang-python $(SGLANG_VENV)/bin/python
 
+# The live routing gate (docs/routing-gate.md): routers as users run them, in front of emulated
+# replicas, on six workloads, beside the simulator; ~10 minutes.  Against another checkout:
+# make bench-routing GATE_ARGS="--compare ../main --strict"
+GATE_ARGS ?=
+.PHONY: bench-routing
+bench-routing: install
+	$(BIN)/python -m kvroute.bench.routing_gate --json build/routing-gate.json $(GATE_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 

@@ -7,7 +7,8 @@ import sys
 
 # subcommand -> (module, help); each module has main(argv) and is imported only when chosen.
 SUBCOMMANDS = {
-    "replay": ("kvroute.bench.replay", "replay a Mooncake-format trace against an OpenAI-compatible endpoint"),
+    "replay": ("kvroute.bench.replay", "replay a Mooncake-format trace or a chat trace against an OpenAI-compatible endpoint"),
+    "gate": ("kvroute.bench.routing_gate", "the live routing gate: routers in front of emulated replicas, every workload (make bench-routing)"),
 }
 
 

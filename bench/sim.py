@@ -177,15 +177,33 @@ def offered_load_rate(prepared: PreparedWorkload, profile: Any, replicas: int, l
 # --- one policy's run -------------------------------------------------------------------------
 
 
+TIME_FIELDS = ("step_base_s", "weights_read_s", "prefill_s_per_token", "decode_s_per_seq", "decode_s_per_kv_token",
+               "prefill_s_per_attn_pair")
+
+
+def slowed(profile: Any, factor: float) -> Any:
+    """The profile with every step taking ``factor`` times as long: an emulated replica whose
+    ``time_scale`` is ``factor`` times the others' (a slower GPU, a throttled or shared one)."""
+    if factor == 1.0:
+        return profile
+    return profile.replace(**{f: getattr(profile, f) * factor for f in TIME_FIELDS})
+
+
 @dataclass
 class FleetConfig:
     replicas: int
     profile: Any  # kvroute.replica.emulated.profile.TimingProfile
     kv_events: bool = True  # engines publish KV events and the index consumes them
     predicted_ttl_s: float = 30.0  # MemoryIndex's default: predictions await KV events that long
+    # Per replica, how many times slower than the profile it runs (empty: all at the profile's speed;
+    # shorter than the fleet: the rest at 1).  The limit stays the profile's: an idle fast replica.
+    slowdown: tuple[float, ...] = ()
 
     def replica_names(self) -> list[str]:
         return [f"replica-{i}" for i in range(self.replicas)]
+
+    def replica_profile(self, i: int) -> Any:
+        return slowed(self.profile, self.slowdown[i] if i < len(self.slowdown) else 1.0)
 
 
 @dataclass
@@ -257,10 +275,11 @@ class FleetSim:
         self.tracker = LoadTracker()
         self._kv: list[tuple[str, Any]] = []
         self.engines = []
-        for name in self.names:
+        for pos, name in enumerate(self.names):
             hook = (lambda ev, _n=name: self._kv.append((_n, ev))) if cfg.kv_events else None
             # Only first tokens and finishes matter to the router: no per-token updates.
-            engine = EmulatedEngine(cfg.profile, block_size=self.block_size, on_kv_event=hook, emit_token_updates=False)
+            engine = EmulatedEngine(cfg.replica_profile(pos), block_size=self.block_size, on_kv_event=hook,
+                                    emit_token_updates=False)
             self.engines.append(engine)
             drive(self.index.add_replica(ReplicaSpec(name, engine.num_gpu_blocks, publishes_events=cfg.kv_events)))
         self.placement = Placement(policy, IndexClient(self.index), self.tracker)  # in process: sync calls

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,10 +23,25 @@ RATE_SAMPLE = 5000  # at most this many requests estimate the default rate
 
 
 def parse_args(argv: list[str], prog: str = "kvroute sim", description: str | None = None) -> argparse.Namespace:
+    from .chat_workloads import WORKLOADS as CHAT_WORKLOADS
+
     p = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0])
-    p.add_argument("--workload", required=True, choices=WORKLOADS,
-                   help="the requests: multi-turn chats (sessions, conversation), one shared document (handbook), "
-                   "a Mooncake trace (trace), or no shared prefixes (random)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", choices=WORKLOADS,
+                        help="the requests: multi-turn chats (sessions, conversation), one shared document (handbook), "
+                        "a Mooncake trace (trace), or no shared prefixes (random)")
+    source.add_argument("--chat-trace", default=None, metavar="FILE",
+                        help="a chat trace (bench/chat_trace.py): its rows' messages rendered and tokenized with "
+                        "--tokenizer; arrivals at their timestamps over --speedup, or at --rate / --load")
+    source.add_argument("--chat-workload", default=None, choices=CHAT_WORKLOADS,
+                        help="a generated chat workload (bench/chat_workloads.py: what `kvroute bench replay --workload` "
+                        "sends), tokenized with --tokenizer")
+    p.add_argument("--tokenizer", default=None, metavar="DIR|HF_ID",
+                   help="--chat-trace/--chat-workload: the tokenizer (default: the tiny tokenizer)")
+    p.add_argument("--speedup", type=float, default=None,
+                   help="--chat-trace/--chat-workload: divide the timestamps by this (engine seconds; ignored with --rate)")
+    p.add_argument("--slow-replicas", type=int, default=0, help="this many replicas (the last ones) run slower (default 0)")
+    p.add_argument("--slow-factor", type=float, default=10.0, help="how much slower they run (default 10)")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help=f"Mooncake-format JSONL (gzipped or not) for --workload trace (default: {DEFAULT_TRACE_NAME})")
     p.add_argument("--replicas", type=int, default=8, help="emulated engines in the fleet (default 8)")
@@ -47,6 +63,11 @@ def parse_args(argv: list[str], prog: str = "kvroute sim", description: str | No
     args = p.parse_args(argv)
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
+    if not 0 <= args.slow_replicas <= args.replicas or args.slow_factor <= 0:
+        p.error("--slow-replicas must be between 0 and --replicas, --slow-factor positive")
+    args.chat = args.chat_trace is not None or args.chat_workload is not None
+    if args.chat:
+        args.workload = f"chat:{args.chat_workload or Path(args.chat_trace).name}"
     if args.plot:
         report.pyplot("kvroute sim --plot")  # missing matplotlib: say so now, not after the run
     return args
@@ -87,17 +108,69 @@ def describe_size(workload: Workload) -> str:
     return f"a {workload.end_s:.0f} s window of conversations (≈{expected:,.0f} requests)"
 
 
+def fleet_config(args: argparse.Namespace, profile: Any) -> FleetConfig:
+    slow = (1.0,) * (args.replicas - args.slow_replicas) + (args.slow_factor,) * args.slow_replicas
+    return FleetConfig(replicas=args.replicas, profile=profile, kv_events=args.kv_events, slowdown=slow)
+
+
+def effective_replicas(cfg: FleetConfig) -> float:
+    """The fleet's capacity in replicas of the profile's speed (a 10x slower one counts 0.1)."""
+    return sum(1.0 / cfg.slowdown[i] if i < len(cfg.slowdown) else 1.0 for i in range(cfg.replicas))
+
+
+def offered_rate(prepared: PreparedWorkload, profile: Any, cfg: FleetConfig, load: float, seed: int = 0) -> tuple[float, str]:
+    """The rate (req/s) that keeps ``load`` of the fleet's capacity busy under round_robin, and how it was set."""
+    offered = offered_load_rate(prepared, profile, cfg.replicas, load, seed)
+    capacity = effective_replicas(cfg)
+    note = offered.describe(cfg.replicas)
+    if capacity != cfg.replicas:
+        note += f"; times {capacity:g}/{cfg.replicas} for the slower replicas' share of the capacity"
+    return offered.rate * capacity / cfg.replicas, note
+
+
+def chat_prepared(args: argparse.Namespace, profile: Any) -> tuple[PreparedWorkload, str]:
+    """A chat trace's or generated chat workload's rows, tokenized, hashed, timed (open loop)."""
+    from . import chat_workloads
+    from .chat_trace import chat_prompt_ids, load_chat_trace
+
+    if args.chat_workload is not None:
+        rows = chat_workloads.rows(args.chat_workload, args.seed, args.requests or 300)
+    else:
+        rows = load_chat_trace(args.chat_trace)[: args.requests]
+    if not rows:
+        raise SystemExit(f"kvroute sim: no rows in {args.chat_trace}")
+    ids = chat_prompt_ids(rows, args.tokenizer)
+    nominal = chat_workloads.nominal_rate(rows)
+    prepared = prepare(chat_workloads.sim_workload(args.workload, rows, ids), profile.block_size)
+    if args.rate is not None:
+        rate, note = args.rate, f"rate {args.rate:.2f} req/s (given)"
+    elif args.speedup is not None:
+        rate, note = nominal * args.speedup, f"rate {nominal * args.speedup:.2f} req/s (timestamps over speedup {args.speedup:g})"
+    else:
+        rate, note = offered_rate(prepared, profile, fleet_config(args, profile), args.load, args.seed)
+    return retimed(prepared, nominal / rate), note
+
+
+def retimed(prepared: PreparedWorkload, scale: float) -> PreparedWorkload:
+    """The same requests, arrival times multiplied by ``scale``."""
+    from dataclasses import replace
+
+    w = prepared.workload
+    reqs = [replace(r, arrival_s=r.arrival_s * scale) if r.arrival_s is not None else r for r in w.requests]
+    return PreparedWorkload(Workload(w.name, reqs, w.unit_rate, scale), prepared.block_size, prepared.chains, prepared.prompt_tokens)
+
+
 def prepared_workload(args: argparse.Namespace, profile: Any) -> tuple[PreparedWorkload, str]:
     """The run's requests, hashed, at ``--rate`` or the default offered load; and how the rate was set."""
+    if getattr(args, "chat", False):
+        return chat_prepared(args, profile)
     rate_note = ""
     rate = args.rate
     sample = None
     if rate is None and args.time_scale is None:
         sample_n = min(args.requests or DEFAULT_REQUESTS[args.workload], RATE_SAMPLE)
         sample = prepare(build_workload(args.workload, seed=args.seed, requests=sample_n, trace_path=args.trace), profile.block_size)
-        offered = offered_load_rate(sample, profile, args.replicas, args.load, args.seed)
-        rate = offered.rate
-        rate_note = offered.describe(args.replicas)
+        rate, rate_note = offered_rate(sample, profile, fleet_config(args, profile), args.load, args.seed)
     workload = build_workload(
         args.workload,
         seed=args.seed,
@@ -130,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     prepared, rate_note = prepared_workload(args, profile)
     workload = prepared.workload
     size = describe_size(workload)
-    err.print(f"[bold]{args.workload}[/]: {size}, {args.replicas} replicas, profile {profile.name}; {rate_note}")
+    slow = f" ({args.slow_replicas} of them {args.slow_factor:g}x slower)" if args.slow_replicas else ""
+    err.print(f"[bold]{args.workload}[/]: {size}, {args.replicas} replicas{slow}, profile {profile.name}; {rate_note}")
 
-    cfg = FleetConfig(replicas=args.replicas, profile=profile, kv_events=args.kv_events)
+    cfg = fleet_config(args, profile)
     results: dict[str, dict[str, Any]] = {}
     ttfts = {}
     limits = []
@@ -164,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = {
             "workload": args.workload,
             "replicas": args.replicas,
+            "slow_replicas": args.slow_replicas,
+            "slow_factor": args.slow_factor,
             "rate": workload.rate,
             "rate_note": rate_note,
             "profile": profile.name,

@@ -89,7 +89,7 @@ def test_the_help_check_catches_what_pydantic_settings_prints_by_default():
         assert_readable("options:\n  --topic TOPIC  a topic (default: )\n  --a A  a\n  --b B  b\n  --c C  c\n")
 
 
-@pytest.mark.parametrize("command", [("sim",), ("demo",), ("bench", "replay"), ("replica",)])
+@pytest.mark.parametrize("command", [("sim",), ("demo",), ("bench", "replay"), ("bench", "gate"), ("replica",)])
 def test_other_commands_help_is_readable(command):
     assert_readable(kvroute(*command, "--help"))
 
