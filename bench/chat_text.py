@@ -25,6 +25,11 @@ _HEX = np.array(list("0123456789abcdef"))
 
 STYLES = ("prose", "code", "table", "json", "cjk", "ids")
 DEFAULT_WEIGHTS = (0.55, 0.15, 0.1, 0.08, 0.06, 0.06)
+# What users paste after a line or two of instruction: one kind of material at a time.
+PASTE_WEIGHTS = (0.35, 0.25, 0.1, 0.1, 0.1, 0.1)
+# Characters per token of each style through the tiny tokenizer (20k characters each), to write a
+# text of about a given number of tokens; a caller that needs the exact count counts.
+CHARS_PER_TOKEN = {"prose": 2.97, "code": 1.76, "table": 1.0, "json": 1.62, "cjk": 0.36, "ids": 1.04}
 
 
 def _prose(rng: np.random.Generator, n: int) -> str:
@@ -92,3 +97,16 @@ def chat_text(key: Sequence[int], n_chars: int, weights: Sequence[float] = DEFAU
         parts.append(_MAKERS[style](rng, k))
         size += k + 2
     return "\n\n".join(parts)[:n_chars]
+
+
+def pasted_text(key: Sequence[int], tokens: int, weights: Sequence[float] = PASTE_WEIGHTS) -> str:
+    """A user's message that pastes material: a line or two of prose asking for something, then
+    about ``tokens`` tokens of one kind of material (a document, a code file, a table, JSON, CJK
+    text, a list of ids), seeded by ``key``.  Its first characters say little about how many
+    tokens the rest holds: prose runs ~3 characters a token, CJK ~0.4 (tiny tokenizer)."""
+    rng = np.random.default_rng([int(k) for k in key])
+    p = np.asarray(weights, dtype=float)
+    style = STYLES[int(rng.choice(len(STYLES), p=p / p.sum()))]
+    ask = _prose(rng, int(rng.integers(80, 400)))
+    material = _MAKERS[style](rng, max(1, round(tokens * CHARS_PER_TOKEN[style])))
+    return f"{ask}:\n\n{material}"

@@ -13,7 +13,9 @@ Workloads (``rows(name, seed, requests)``):
 - ``conversation``: the real-chat shape that broke a routing change (docs/routing-gate.md): many
   sessions, each opening with one of a few shared system prompts of several sizes (Zipf
   popularity), a first user turn that is long and new (heavy-tailed lognormal, up to tens of
-  thousands of tokens: a pasted document, a code file), then turns that add an assistant reply
+  thousands of tokens: a line of instruction, then one pasted material — a document, a code
+  file, a table, JSON, CJK text — whose characters per token its first line does not tell),
+  then turns that add an assistant reply
   and a short (heavy-tailed) user message to the history; think times between turns; sessions
   start as a Poisson process and overlap.
 - ``sessions``: LMCache's multi-round QA (bench/workloads.py `SessionsConfig`: a shared system
@@ -37,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .chat_text import chat_text
+from .chat_text import chat_text, pasted_text
 from .workloads import LogNormal
 
 CHARS_PER_TOKEN = 1.4  # chat_text's default mix through the tiny tokenizer (100k characters: 1.44)
@@ -85,6 +87,7 @@ class ChatShape:
     response_estimate_s: float  # a turn's expected duration: the next one comes after it + think
     session_gap_s: float = 1.0  # mean gap between session starts (Poisson)
     max_context_tokens: int = MAX_CONTEXT_TOKENS
+    pasted_first_turn: bool = False  # a first turn is an instruction and one pasted material (chat_text.pasted_text)
 
 
 # Sizes and times: docs/routing-gate.md says why.
@@ -97,6 +100,7 @@ CONVERSATION = ChatShape(
     turns=LogNormal(3, 0.6, 1, 12),
     think_s=LogNormal(20.0, 0.5, 8.0, 60.0, integer=False),
     response_estimate_s=4.0,
+    pasted_first_turn=True,
 )
 SESSIONS = ChatShape(  # bench/workloads.py SessionsConfig's numbers
     system_tokens=(900, 1400, 600, 1100),
@@ -187,7 +191,11 @@ def session_rows(name: str, shape: ChatShape, seed: int, requests: int, count: T
             reply = int(shape.reply.draw(rng))
             think = float(shape.think_s.draw(rng)) if turn else 0.0
             budget = limit - context - reply - MESSAGE_OVERHEAD_TOKENS
-            text = chat_text((seed, 3, s, turn), chars(min(drawn, max(budget, 1))))
+            want = min(drawn, max(budget, 1))
+            if turn == 0 and shape.pasted_first_turn:
+                text = pasted_text((seed, 3, s, turn), want)
+            else:
+                text = chat_text((seed, 3, s, turn), chars(want))
             if turn == 0:
                 text, n = _fit(text, budget, count)  # a first turn always fits (cut if need be)
             else:
