@@ -1,4 +1,4 @@
-"""The live routing gate end to end on a tiny workload (bench/routing_gate.py): the fleet process,
+"""The live routing gate end to end on a tiny workload (bench/routing_gate.py, its parts in bench/gate/): the fleet process,
 a real router process per run (this checkout's, and the same checkout as --compare), the real
 replay in its own process, the simulator beside it, the verdict; and `kvroute bench replay` on a
 generated chat workload, whose reuse figures must be what the replicas and the token ids say."""
@@ -16,7 +16,8 @@ import aiohttp
 from kvroute.bench.demo import parse_metrics, total
 from kvroute.bench.demo_fleet import EmulatedFleet, demo_stack
 from kvroute.bench.limit import LIMIT_KEYS, available_blocks, chains_of
-from kvroute.bench.routing_gate import COMPARE_PREFIX, ENGINE_KEYS, METRICS, measure_spread, verdict
+from kvroute.bench.gate.settings import COMPARE_PREFIX
+from kvroute.bench.gate.verdict import ENGINE_KEYS, METRICS, measure_spread, verdict
 from kvroute.replica.assets import TINY_TOKENIZER
 from kvroute.common.tokens import Tokenizer
 
