@@ -528,6 +528,8 @@ async def _compare(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "kv_events": any(d["kv_events_applied"] for d in details.values()),
             "too_long_requests": 0,
+            "slow_replicas": 0,  # the demo's replicas all serve at one speed (the simulator's keys, kept alike)
+            "slow_factor": 1.0,
             "wall_s": round(wall, 2),
             "engine": args.engine,
             "time_scale": args.time_scale,
