@@ -37,6 +37,7 @@ from kvroute.router.edge.body import BodyReader
 from kvroute.router.edge.cutoff import RequestCutoff
 from kvroute.router.edge.handlers import Handlers, know_models, replica_status
 from kvroute.router.edge.request_id import request_id_middleware, request_id_of
+from kvroute.router.edge.connections import ConnectionMetrics, connection_cap, open_file_limit
 from kvroute.router.edge.server import ClientAppRunner, ClientLimits, announce_close, count_timeouts
 from kvroute.router.fleet.engine_counters import EngineCacheCounters
 from kvroute.router.fleet.kvevents import KVEventSubscriber
@@ -172,8 +173,11 @@ class RouterApp:
             self.handlers.add_routes(app)
             # handler_cancellation: a client that disconnects cancels its handler, which closes the
             # upstream connection, so the engine stops generating for nobody
+            open_files = open_file_limit()
+            cap = s.max_client_connections or connection_cap(open_files, s.max_in_flight)
             limits = ClientLimits(
-                s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s, count_timeouts(self.metrics.registry)
+                s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s, count_timeouts(self.metrics.registry),
+                max_connections=cap, connection_metrics=ConnectionMetrics(self.metrics.registry),
             )
             self._runner = ClientAppRunner(
                 app, limits=limits, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
@@ -188,7 +192,8 @@ class RouterApp:
             await self.stop()  # a port in use, a fleet that cannot start: leave nothing open
             raise
         self._port = self._runner.addresses[0][1]
-        log.info("router listening on %s (policy %s, index %s)", self.url, self.policy.name, type(self.index).__name__)
+        log.info("router listening on %s (policy %s, index %s); client connections capped at %d (open-file limit %d)",
+                 self.url, self.policy.name, type(self.index).__name__, cap, open_files)
 
     def _make_index(self) -> PrefixIndex:
         s = self.settings

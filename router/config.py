@@ -161,6 +161,11 @@ class RouterSettings(BaseSettings):
         "model's replicas announce in /v1/models"
     )
     max_in_flight: int = Field(1024, gt=0, description="concurrent proxied requests (429 above)")
+    max_client_connections: int | None = Field(
+        None, gt=0, description="client connections held open at most, per process; at the cap a new one evicts "
+        "the connection idle the longest, or is answered 503 when none is idle; unset: the open-file limit "
+        "(raised to the hard limit at start) less 256 and less one upstream connection per request in flight"
+    )
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
     max_body_reads: int = Field(
         1024, gt=0, description="request bodies being received at once (503 above; a body sent whole is never refused)"

@@ -21,6 +21,7 @@ from kvroute.common.logs import configure_logging
 
 from kvroute.router.app import RouterApp
 from kvroute.router.config import RouterSettings, load_settings
+from kvroute.router.edge.connections import raise_open_file_limit
 from kvroute.router.workers import WorkerRole, supervise
 
 log = logging.getLogger("kvroute.router")
@@ -28,6 +29,11 @@ log = logging.getLogger("kvroute.router")
 
 async def serve(settings: RouterSettings, *, worker: WorkerRole | None = None) -> None:
     """Run until SIGTERM/SIGINT (or, a worker, its supervisor's end); then drain and stop."""
+    before, soft, hard = raise_open_file_limit()  # every connection is a descriptor (docs/design.md §7.5)
+    if soft != before:
+        log.info("open-file limit raised from %d to %d (the hard limit %d)", before, soft, hard)
+    else:
+        log.info("open-file limit %d (hard limit %d)", soft, hard)
     app = RouterApp(settings, worker=worker)
     await app.start()
     # Everything alive now (modules, tokenizers, settings) lives as long as the process: keep it out

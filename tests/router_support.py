@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -253,10 +253,12 @@ class RouterProcess:
 
     @classmethod
     async def start(
-        cls, replica_urls: list[str], *args: str, tokenizer: str = TINY_TOKENIZER, env: dict[str, str] | None = None
+        cls, replica_urls: list[str], *args: str, tokenizer: str = TINY_TOKENIZER, env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
     ) -> RouterProcess:
+        """``prefix``: a command the router runs under (e.g. ``prlimit --nofile=1024:1024``)."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0",
+            *prefix, sys.executable, "-m", "kvroute.cli", "router", "--host", "127.0.0.1", "--port", "0",
             "--replicas", ",".join(replica_urls), "--tokenizer", tokenizer, "--log-level", "warning", *args,
             stdout=asyncio.subprocess.PIPE, cwd=str(REPO), env=env,
         )  # fmt: skip

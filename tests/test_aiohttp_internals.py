@@ -10,7 +10,8 @@ pyproject.toml bounds aiohttp to the range tested (the floor by `make test-lowes
 - every private member router/edge/server.py reads from aiohttp's objects (found by parsing it, so a
   new use is checked without editing this file) exists on a real ``RequestHandler``, ``Server``
   and ``AppRunner`` built here, with the type the router expects;
-- the methods ``ClientHandler`` overrides and the constructors it calls keep their parameters;
+- the methods ``ClientHandler`` overrides (``finish_response`` too: the connection cap marks a
+  connection idle after it) and the constructors it calls keep their parameters;
 - ``_ErrInfo``, what the parser queues in ``_messages`` for a malformed request, keeps its fields;
 - a real connection fed a request and a malformed one queues ``(message, payload)`` pairs and
   counts them in ``_request_count``, as ``ClientHandler.data_received`` reads them.
@@ -89,8 +90,8 @@ def test_the_members_the_router_uses_are_found():
     used = used_members()
     assert {"_messages", "_request_count", "_keepalive_handle", "_waiter", "_force_close", "_close",
             "_lingering_time", "_loop", "transport", "close", "force_close", "data_received",
-            "connection_made", "connection_lost", "log_exception"} <= used["handler"]
-    assert {"_limits", "_head_timer", "_body", "close_after", "linger"}.isdisjoint(used["handler"])  # the router's own
+            "connection_made", "connection_lost", "log_exception", "finish_response"} <= used["handler"]
+    assert {"_limits", "_head_timer", "_body", "close_after", "linger", "_book", "evict"}.isdisjoint(used["handler"])
     assert {"_loop", "_kwargs", "request_handler", "request_factory", "handler_cancellation"} <= used["server"]
     assert used["runner"] == {"__init__", "_make_server"}
 
@@ -139,6 +140,9 @@ def test_the_signatures_the_router_overrides_and_calls_are_unchanged():
     assert [n for n, _ in parameters(RequestHandler.handle_error)] == ["self", "request", "status", "exc", "message"]
     assert parameters(RequestHandler.log_exception)[1:] == [("args", "VAR_POSITIONAL"), ("kw", "VAR_KEYWORD")]
     assert parameters(RequestHandler.close) == parameters(RequestHandler.force_close) == [("self", "POSITIONAL_OR_KEYWORD")]
+    # the connection cap marks a connection idle after aiohttp's finish_response (router/edge/connections.py)
+    assert inspect.iscoroutinefunction(RequestHandler.finish_response)
+    assert [n for n, _ in parameters(RequestHandler.finish_response)] == ["self", "request", "resp", "start_time"]
     init = dict(parameters(RequestHandler.__init__))
     assert init["manager"] == "POSITIONAL_OR_KEYWORD" and init["loop"] == init["keepalive_timeout"] == "KEYWORD_ONLY"
     server = dict(parameters(Server.__init__))

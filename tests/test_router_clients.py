@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import http.client
 import json
 import time
 import zlib
@@ -112,6 +113,27 @@ async def test_declared_length_over_the_limit_is_refused_before_the_body(router)
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n"
     answer, took = await exchange(router.port, head + b"{")
     assert openai_error(answer) == (413, "request_too_large") and took < 3.0  # not at the body timeout
+
+
+def _post_whole_then_read(port: int, body: bytes) -> tuple[int, bytes]:
+    """Python's http.client (what ``requests`` uses): the whole body is written, then the answer read."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+async def test_an_oversized_body_written_whole_before_reading_gets_its_413(router):
+    """32 MB (more than the sockets' buffers hold) refused by its Content-Length: the router reads and
+    drops the rest before it closes, so a client that reads only after writing everything gets the
+    413, not a broken pipe (reading had stopped, and the close 2 s later reset the connection)."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 32_000_000}]}).encode()
+    for _ in range(2):
+        status, answer = await asyncio.to_thread(_post_whole_then_read, router.port, body)
+        assert status == 413 and json.loads(answer)["error"]["code"] == "request_too_large"
 
 
 def nested(depth: int) -> bytes:

@@ -39,9 +39,15 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvroute.common.errors import ApiError, error_body, error_response
 
+from kvroute.router.edge.connections import ConnectionBook, ConnectionMetrics
+
 log = logging.getLogger("kvroute.router")
 
+# A lingering close reads and drops what the client still sends until it has been quiet this long,
+# at most _LINGER_MAX_S and _LINGER_MAX_BYTES in all (nginx: lingering_timeout, lingering_time).
 _LINGER_S = 2.0
+_LINGER_MAX_S = 30.0
+_LINGER_MAX_BYTES = 64 * 1024 * 1024
 # A timeout acts one loop turn after it expires: a loop running late (timers run before the turn's
 # I/O) must not cut a client whose bytes are already waiting in its socket.
 _ONE_MORE_TURN_S = 0.001
@@ -49,15 +55,22 @@ _ONE_MORE_TURN_S = 0.001
 
 class _LingeringTransport:
     """A connection's transport once it is to close while its client may still be sending (a slow
-    head or body cut, a body refused unread): ``close()`` sends FIN after what was written,
-    ignores what still arrives, and closes the socket ``_LINGER_S`` later.  Closing at once with
-    the client's bytes unread or still arriving makes the kernel send a reset, which can destroy
-    the 408/413 before the client reads it (nginx's lingering close)."""
+    head or body cut, a body refused unread): ``close()`` sends FIN after what was written, then
+    reads and drops what still arrives, and closes the socket once the client has been quiet for
+    ``_LINGER_S`` (at most ``_LINGER_MAX_S`` or ``_LINGER_MAX_BYTES`` in all).  Closing with the
+    client's bytes unread or still arriving makes the kernel send a reset, which destroys the
+    408/413 before the client reads it: a client that writes its whole body before reading the
+    answer (Python's http.client and requests do) saw a broken pipe instead of the 413 of a 20 MB
+    body, because reading had stopped (paused by the unread body's buffer) and the socket closed
+    2 s later with the rest unread (nginx's lingering close)."""
 
     def __init__(self, protocol: ClientHandler, transport: asyncio.Transport):
         self._protocol = protocol
         self._transport = transport
         self._closing = False
+        self._heard = 0  # bytes dropped since close()
+        self._heard_at_check = 0
+        self._deadline = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -75,7 +88,27 @@ class _LingeringTransport:
             return
         if t.can_write_eof():
             t.write_eof()
-        self._protocol._loop.call_later(_LINGER_S, t.close)  # noqa: SLF001
+        t.resume_reading()  # reading may be paused (an unread body filled its buffer): drain it
+        loop = self._protocol._loop  # noqa: SLF001
+        self._deadline = loop.time() + _LINGER_MAX_S
+        loop.call_later(_LINGER_S, self._check)
+
+    def heard(self, nbytes: int) -> None:
+        """The client sent ``nbytes`` more after close(): dropped."""
+        self._heard += nbytes
+        if self._heard > _LINGER_MAX_BYTES:
+            self._transport.close()
+
+    def _check(self) -> None:
+        t = self._transport
+        if t.is_closing():
+            return
+        loop = self._protocol._loop  # noqa: SLF001
+        if self._heard == self._heard_at_check or loop.time() >= self._deadline:
+            t.close()  # quiet for _LINGER_S (or lingered long enough)
+            return
+        self._heard_at_check = self._heard
+        loop.call_later(_LINGER_S, self._check)
 
 
 @dataclass(frozen=True)
@@ -85,6 +118,9 @@ class ClientLimits:
     keepalive_timeout_s: float
     # called with "header" or "body" each time a client is cut for being slow (a metric)
     on_timeout: Callable[[str], None] | None = None
+    # client connections held open at most (0: no cap), see connections.py; counted there
+    max_connections: int = 0
+    connection_metrics: ConnectionMetrics | None = None
 
 
 def count_timeouts(registry: CollectorRegistry) -> Callable[[str], None]:
@@ -124,11 +160,17 @@ def parser_error(exc: BaseException | None, message: str | None) -> tuple[int, s
 class ClientHandler(RequestHandler):
     """One client connection: aiohttp's protocol plus header/body timeouts and JSON parser errors."""
 
-    __slots__ = ("_limits", "_head_timer", "_head_bytes", "_heads_before", "_body", "_body_timer", "_last_body")
+    __slots__ = (
+        "_limits", "_head_timer", "_head_bytes", "_heads_before", "_body", "_body_timer", "_last_body", "_book",
+        "_lingering",
+    )
 
     def __init__(self, manager: Server, *, limits: ClientLimits, **kwargs: Any):
         super().__init__(manager, keepalive_timeout=limits.keepalive_timeout_s, **kwargs)
         self._limits = limits
+        # the server's open connections (the connection cap), None when served by aiohttp's own Server
+        self._book: ConnectionBook | None = manager.book if isinstance(manager, _ClientServer) else None
+        self._lingering: _LingeringTransport | None = None  # set by linger()
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = False  # bytes of a head not yet complete have arrived
         self._heads_before = 0  # requests parsed when the header timer was armed
@@ -146,11 +188,48 @@ class ClientHandler(RequestHandler):
             self._keepalive_handle.cancel()
             self._keepalive_handle = None
         self._arm_head()
+        if self._book is not None and not self._book.opened(self):
+            self._refuse()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head()
         self._cancel_body()
+        if self._book is not None:
+            self._book.closed(self)
+            self._book = None
         super().connection_lost(exc)
+
+    # -- the connection cap (connections.py) ------------------------------------------------
+    def _refuse(self) -> None:
+        """Over the cap with no idle connection to evict: a 503 and close, before any request.
+        Closed at once, not lingering: a lingering close would hold the descriptor the cap saves."""
+        assert self._book is not None
+        self._cancel_head()
+        if self.transport is not None:
+            self.transport.write(_raw_error(
+                503, "Service Unavailable",
+                f"the router holds {self._book.limit} client connections, its limit, none of them idle; retry shortly",
+                "server_busy",
+            ))
+        self.force_close()
+
+    def evict(self) -> None:
+        """Close this idle connection for a new one (the cap): as the keep-alive timeout would."""
+        self._cancel_head()
+        self.force_close()
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """aiohttp's, then the connection is idle (evictable) if it waits for its next request:
+        nothing of it queued or arriving, its request's body read, not closing."""
+        result = await super().finish_response(request, resp, start_time)
+        if (
+            self._book is not None and not self._messages and not self._head_bytes and request.content.is_eof()
+            and not self._close and not self._force_close
+        ):
+            self._book.idle(self)
+        return result
 
     def _arm_head(self) -> None:
         if self._head_timer is None and self._limits.header_timeout_s > 0:
@@ -171,10 +250,14 @@ class ClientHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if self._force_close or self._close:
+            if self._lingering is not None:
+                self._lingering.heard(len(data))
             return
         if self._body is None and data:
             self._arm_head()  # the first bytes of a new request (or more of its head)
             self._head_bytes = True
+            if self._book is not None:
+                self._book.busy(self)  # not evicted while its request is read and answered
             if self._keepalive_handle is not None:  # no longer idle: the header timeout applies
                 self._keepalive_handle.cancel()
                 self._keepalive_handle = None
@@ -242,7 +325,8 @@ class ClientHandler(RequestHandler):
     def linger(self) -> None:
         """From now on, closing this connection is a lingering close (:class:`_LingeringTransport`)."""
         if self.transport is not None and not isinstance(self.transport, _LingeringTransport):
-            self.transport = _LingeringTransport(self, self.transport)  # type: ignore[assignment]
+            self._lingering = _LingeringTransport(self, self.transport)
+            self.transport = self._lingering  # type: ignore[assignment]
 
     def _body_timed_out(self, checked: bool = False) -> None:
         if not checked:  # see _ONE_MORE_TURN_S
@@ -320,6 +404,7 @@ class _ClientServer(Server):
     def __init__(self, *args: Any, limits: ClientLimits, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._limits = limits
+        self.book = ConnectionBook(limits.max_connections, limits.connection_metrics)
 
     def __call__(self) -> RequestHandler:
         return ClientHandler(self, loop=self._loop, limits=self._limits, **self._kwargs)
