@@ -163,6 +163,33 @@ def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     return bool(steps.size) and int(np.cumsum(steps, dtype=np.int32).max()) > limit
 
 
+class _Message(msgspec.Struct):
+    role: Any = None
+
+
+class _ChatShape(msgspec.Struct):
+    model: Any = None
+    messages: list[_Message] | None = None
+    chat_template: Any = None
+
+
+_decode_shape = msgspec.json.Decoder(_ChatShape)
+
+
+def chat_roles(raw: bytes) -> tuple[Any, list[Any]] | None:
+    """A chat body's model and its messages' roles, read without building its messages' dicts
+    (what a full parse costs, less the contents); None when the body is not a chat rendered with
+    the model's own template (not shaped like one, or bringing its own ``chat_template``): its
+    full parse then says why."""
+    try:
+        shape = _decode_shape.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    if shape.messages is None or shape.chat_template is not None:
+        return None
+    return shape.model, [m.role for m in shape.messages]
+
+
 def decode_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a 400."""
     if not raw:

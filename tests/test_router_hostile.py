@@ -306,3 +306,62 @@ async def test_slow_clients_cannot_stop_valid_requests_and_are_cut_at_their_time
                   f"{max(t for _, t in results[1::2]):.1f} s (body, {answered[1]} saw the 408)")
         finally:
             await router.stop()
+
+
+# -- a chat too long by its message count --------------------------------------------------------
+def _many_messages(n: int, content: str = "x") -> bytes:
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": content} for i in range(n)]
+    return json.dumps({"model": MODEL, "messages": messages, "max_tokens": 1}).encode()
+
+
+async def _health_while(url: str, work: Any) -> tuple[Any, list[float]]:
+    """Run ``work`` while /health is sampled every 10 ms: (its result, the samples' latencies)."""
+    latencies: list[float] = []
+    done = asyncio.Event()
+    async with aiohttp.ClientSession() as probe:
+
+        async def sample() -> None:
+            while not done.is_set():
+                started = time.perf_counter()
+                async with probe.get(url + "/health") as resp:
+                    await resp.read()
+                latencies.append(time.perf_counter() - started)
+                await asyncio.sleep(0.01)
+
+        sampler = asyncio.create_task(sample())
+        try:
+            return await work, latencies
+        finally:
+            done.set()
+            await sampler
+
+
+async def test_a_chat_of_200k_messages_is_refused_from_its_roles_and_a_valid_long_one_is_served():
+    """The issue's case: 200,000 one-character messages (7 MB, 1.2 M tokens for the tiny template)
+    against the replica's 32,768 tokens.  Rendered and tokenized, each took 1.7-2.2 s here and four
+    at once 5.7-6.7 s, /health stalled up to 1.3 s; counted from their roles (two special tokens
+    each), four at once are refused in well under a second.  A chat of 4,000 short messages (over
+    64 KB, under the limit) is still served."""
+    async with emulated_replicas(1) as (rep,):
+        router = await RouterProcess.start([rep.url])
+        try:
+            body = _many_messages(200_000)
+            async with aiohttp.ClientSession() as session:
+
+                async def post(data: bytes) -> tuple[int, dict[str, Any], float]:
+                    started = time.perf_counter()
+                    async with session.post(router.url + "/v1/chat/completions", data=data,
+                                            headers={"Content-Type": "application/json"}) as resp:
+                        return resp.status, await resp.json(), time.perf_counter() - started
+
+                await post(_many_messages(2))  # connections and the first request's costs paid
+                answers, latencies = await _health_while(router.url, asyncio.gather(*(post(body) for _ in range(4))))
+                for status, answer, took in answers:
+                    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+                    assert "at least 399998 tokens long (200000 messages" in answer["error"]["message"]  # not rendered
+                    assert took < 2.0, took
+                assert max(latencies) < 0.75, latencies
+                status, answer, _ = await post(_many_messages(4_000, "hi there"))
+                assert status == 200, answer
+        finally:
+            await router.stop()

@@ -535,3 +535,78 @@ async def test_a_large_chat_renders_and_tokenizes_on_the_pool(reference):
         assert pool.submitted == 2  # the render, then the long text's split + encode
     finally:
         pool.shutdown()
+
+
+# ------------------------------------------------------------------ lower bounds before tokenizing (bounds.py)
+
+ROLES = ["system", "user", "assistant", "tool", "developer"]
+
+
+@st.composite
+def any_chats(draw):
+    """Any sequence of roles (the template renders each as it does), contents of any text."""
+    return [{"role": draw(st.sampled_from(ROLES)), "content": draw(texts)} for _ in range(draw(st.integers(1, 12)))]
+
+
+def test_the_tiny_template_marks_user_and_assistant_messages(tok):
+    assert tok.message_tokens["user"] == tok.message_tokens["assistant"] == 2  # <|im_start|> and <|im_end|>
+    assert tok.max_chars_per_token == 4 * max(len(p) for p in tok.backend.get_vocab())  # NFC: up to 4 to 1
+
+
+@PROPERTY
+@given(messages=any_chats(), add_generation_prompt=st.booleans(), continue_final=st.booleans())
+def test_the_message_bound_never_exceeds_the_tokens(tok, messages, add_generation_prompt, continue_final):
+    """What refuses a chat before it is rendered is at most its real count, however it is rendered."""
+    try:
+        ids = tok.encode_chat(messages, add_generation_prompt=add_generation_prompt and not continue_final,
+                              continue_final_message=continue_final)
+    except ChatTemplateError:
+        return
+    roles = [m["role"] for m in messages]
+    assert tok.chat_tokens_at_least(roles[:-1]) <= len(ids)
+
+
+@PROPERTY
+@given(text=texts)
+def test_the_character_bound_never_exceeds_the_tokens(tok, text):
+    assert -(-len(text) // tok.max_chars_per_token) <= len(tok.encode(text))
+
+
+def test_the_character_bound_refuses_without_tokenizing(tok):
+    from kvroute.common.tokens import PromptTooLong
+
+    text = "x" * (tok.max_chars_per_token * 100 + 1)
+    with pytest.raises(PromptTooLong, match="at least 101 tokens"):
+        asyncio.run(tok.aencode_bytes(text, max_tokens=100))
+    assert len(asyncio.run(tok.aencode_bytes("x " * 40, max_tokens=100))) // 4 <= 100  # a short one is encoded
+
+
+@pytest.mark.parametrize("normalizer, pre_tokenizer, model, bounded", [
+    (None, {"type": "ByteLevel"}, {"type": "BPE", "vocab": {"ab": 0, "abcd": 1}}, 4),
+    ({"type": "NFKC"}, {"type": "Metaspace"}, {"type": "BPE", "vocab": {"ab": 0}}, 8),
+    ({"type": "Replace", "pattern": {"String": "  "}, "content": " "}, None, {"type": "BPE", "vocab": {"a": 0}}, 2),
+    ({"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}, None, {"type": "BPE", "vocab": {"a": 0}}, None),
+    ({"type": "BertNormalizer"}, None, {"type": "BPE", "vocab": {"a": 0}}, None),
+    (None, {"type": "Whitespace"}, {"type": "BPE", "vocab": {"a": 0}}, None),
+    (None, {"type": "Split", "behavior": "Removed"}, {"type": "BPE", "vocab": {"a": 0}}, None),
+    (None, None, {"type": "WordPiece", "vocab": {"a": 0}}, None),
+    (None, None, {"type": "BPE", "vocab": {"a": 0}, "unk_token": "<unk>", "fuse_unk": True}, None),
+    (None, None, {"type": "Unigram", "vocab": [["abc", -1.0]], "byte_fallback": True}, 3),
+    (None, None, {"type": "Unigram", "vocab": [["abc", -1.0]]}, None),
+])
+def test_the_character_bound_holds_only_where_no_step_drops_characters(normalizer, pre_tokenizer, model, bounded):
+    from kvroute.common.tokens.bounds import max_chars_per_token
+
+    config = {"normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "model": model}
+    assert max_chars_per_token(config, ["<s>"]) == (max(bounded, 3) if bounded else None)
+
+
+def test_a_template_that_drops_messages_gives_no_message_bound(tmp_path):
+    """A template that renders only the last message: no role counts."""
+    d = tmp_path / "last-only"
+    d.mkdir()
+    (d / "tokenizer.json").write_text((ASSET / "tokenizer.json").read_text())
+    config = json.loads((ASSET / "tokenizer_config.json").read_text())
+    config["chat_template"] = "<|im_start|>{{ messages[-1]['content'] }}<|im_end|>"
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    assert set(Tokenizer.from_dir(d).message_tokens.values()) == {0}

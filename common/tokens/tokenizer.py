@@ -45,6 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tokenizers import Tokenizer as HfTokenizer  # noqa: E402
 
+from kvroute.common.tokens.bounds import chat_tokens_at_least, max_chars_per_token, probe_message_tokens  # noqa: E402
 from kvroute.common.tokens.chat_template import (  # noqa: E402
     ContentFormat,
     RenderJob,
@@ -172,6 +173,11 @@ class Tokenizer:
         self._chat_template = chat_template
         self._warm_templates()
         self.content_format = content_format
+        # lower bounds on a prompt's tokens before it is tokenized (bounds.py): characters a token
+        # stands for at most (None: no bound), special tokens a message of each role adds at least
+        self.max_chars_per_token = max_chars_per_token(backend_config, added)
+        self._specials = Splitter(added)  # counts special tokens even where prompts are not split
+        self.message_tokens = probe_message_tokens(self._render_probe, self._count_specials)
         self.model_max_length = config.get("model_max_length")
         self.cache = SegmentCache(cache_max_chars, cache_max_entries)
         self.inline_max_chars = inline_max_chars
@@ -215,6 +221,17 @@ class Tokenizer:
         if _as_list(self._pieces(text, False, use_cache=False)) != whole:
             return "self-check: split encoding differs from whole-string encoding"
         return None
+
+    def _render_probe(self, messages: list[dict[str, str]]) -> str:
+        return self.render_chat(messages, add_generation_prompt=False)
+
+    def _count_specials(self, text: str) -> int:
+        return len(self._specials.split(text)) // 2
+
+    def chat_tokens_at_least(self, roles: Sequence[Any]) -> int:
+        """A lower bound on the tokens of a chat with messages of these roles, rendered with the
+        model's own template (bounds.py): no rendering, no tokenizing."""
+        return chat_tokens_at_least(self.message_tokens, roles)
 
     # ---------------------------------------------------------------- chat rendering
 
@@ -354,6 +371,10 @@ class Tokenizer:
     ) -> list[Sequence[int]]:
         """:meth:`_pieces`, keeping the event loop free: a long text is cut and looked up on the
         pool too (the regex split and the joins of a megabyte prompt take milliseconds)."""
+        if max_tokens is not None and self.max_chars_per_token is not None:
+            at_least = -(-len(text) // self.max_chars_per_token)
+            if at_least > max_tokens:  # refused without tokenizing a character (bounds.py)
+                raise PromptTooLong(at_least, max_tokens, at_least=True)
         if len(text) > PLAN_INLINE_MAX_CHARS:
             pieces = await self._in_pool(lambda: self._pieces(text, add_special_tokens, max_tokens, plan=plan))
         else:

@@ -24,6 +24,7 @@ from aiohttp import web
 from kvroute.common.errors import ApiError, error_response
 from kvroute.common.requests import Kind, decode_json_object, parse_request
 from kvroute.common.responses import parse_responses
+from kvroute.common.tokens.memory import release_free_memory
 
 from kvroute.router.config import RouterSettings
 from kvroute.router.edge.access_log import Exchange, answered, cut_short
@@ -42,6 +43,18 @@ from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.router.request.route import Route, Router
 
 log = logging.getLogger("kvroute.router")
+
+
+# A request this large refused before it was routed: the heap its parse and render freed goes back
+# to the OS (glibc keeps it otherwise; common/tokens/memory.py).
+GIVE_BACK_AFTER_BYTES = 1 << 20
+
+
+def give_back_memory() -> None:
+    """``malloc_trim`` on a thread (1-20 ms), once the refused request's objects are freed: after
+    this turn of the loop, when its handler has returned."""
+    loop = asyncio.get_running_loop()
+    loop.call_soon(loop.run_in_executor, None, release_free_memory)
 
 
 class Peers(Protocol):
@@ -164,6 +177,8 @@ class Handlers:
         model: str | None = None
         model_label = "unknown"
         try:
+            if kind == "chat":
+                self.router.refuse_oversized_chat(raw)  # before the body is parsed, rendered, tokenized
             parsed = parse_responses(raw) if kind == "responses" else parse_request(kind, raw)
             model_label = self._model_label(parsed.request.model)
             model = parsed.request.model[:128]  # as asked: a 404's name is worth seeing
@@ -174,6 +189,8 @@ class Handlers:
             route = await self.router.route(parsed, request_id=rid, session_header=session, api_key=api_key, pin=pin)
         except (ApiError, web.HTTPException) as exc:
             self.metrics.requests.labels(model_label, "none", str(exc.status)).inc()
+            if len(raw) >= GIVE_BACK_AFTER_BYTES:
+                give_back_memory()
             if isinstance(exc, ApiError):
                 return answered(exc.response(), Exchange(model=model))
             raise

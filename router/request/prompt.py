@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from kvroute.common.blocks import token_bytes
 from kvroute.common.errors import ApiError
 from kvroute.common.requests import ParsedRequest, prompt_batch
-from kvroute.common.tokens import ClientTemplateRefused, TokenizerError, TokenizerRegistry
+from kvroute.common.tokens import ClientTemplateRefused, Tokenizer, TokenizerError, TokenizerRegistry
 
 log = logging.getLogger("kvroute.router")
 
@@ -89,12 +89,15 @@ class PromptBuilder:
         self._explicit_tokenizers = set(tokenizers.models())
         self._approx_warned: set[str] = set()
 
+    def tokenizer(self, model: str, base: str) -> Tokenizer | None:
+        """The tokenizer of ``model``: its own, else (an adapter) its base model's, else the default."""
+        return self.tokenizers.get(model if model in self._explicit_tokenizers else base)
+
     async def build(self, parsed: ParsedRequest, model: str, base: str, limit: int | None) -> Prompt:
         """The request's prompt: its tokens as the model's engine will see them (``limit``: at most
         that many per prompt, else :class:`PromptTooLong`), else approximate ones."""
         body = parsed.render_body
-        # an adapter without a tokenizer of its own uses its base model's (else the default one)
-        tok = self.tokenizers.get(model if model in self._explicit_tokenizers else base)
+        tok = self.tokenizer(model, base)
         want_text = self.want_text
         if parsed.kind != "completion":  # a chat, or a Responses request rendered as one
             messages = body["messages"]

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvroute.common.blocks import namespace_seed
 from kvroute.common.errors import ApiError
-from kvroute.common.requests import ParsedRequest
+from kvroute.common.requests import ParsedRequest, chat_roles
 from kvroute.common.tokens import PromptTooLong
 
 from kvroute.router.config import RouterSettings
@@ -40,6 +40,9 @@ from kvroute.router.request.chain_memo import ChainMemo
 from kvroute.router.request.prompt import Prompt, PromptBuilder, prompt_too_long
 
 _NONE: Mapping[str, Any] = MappingProxyType({})
+# Chat bodies from this size on have their messages counted before they are parsed (a smaller one
+# holds at most a couple of thousand messages: rendered in milliseconds).
+OVERSIZE_CHECK_MIN_BYTES = 64 * 1024
 
 
 def tenant_salt(api_key: str, secret: bytes) -> str:
@@ -131,7 +134,7 @@ class Router:
             additions["stream_options"] = {**(parsed.body.get("stream_options") or {}), "include_usage": True}
 
         limit = self.settings.max_prompt_tokens  # of the whole batch
-        per_prompt = min((n for n in (limit, max_model_len(model, replicas)) if n is not None), default=None)
+        per_prompt = self._prompt_limit(model, replicas)
         try:
             prompt = await self.prompts.build(parsed, model, base, per_prompt)
         except PromptTooLong as exc:
@@ -168,6 +171,43 @@ class Router:
             predicted_blocks=choice.matched_blocks,
             additions=MappingProxyType(additions),
         )
+
+    def _prompt_limit(self, model: str, replicas: Sequence[Replica]) -> int | None:
+        """The most tokens one prompt may have: max_prompt_tokens, and the replicas' max_model_len."""
+        limits = (self.settings.max_prompt_tokens, max_model_len(model, replicas))
+        return min((n for n in limits if n is not None), default=None)
+
+    def refuse_oversized_chat(self, raw: bytes) -> None:
+        """A chat body whose messages alone are over the prompt-length limit: a 400
+        ``context_length_exceeded`` before it is parsed, rendered or tokenized (docs/design.md §7.5).
+        The bound counts the special tokens the model's template marks each message with (probed
+        at load, common/tokens/bounds.py), so it never refuses a prompt the engine would take; a
+        body this cannot read, a model no replica serves, a request's own template: left to the
+        full parse and the tokenizer's own limit."""
+        if len(raw) < OVERSIZE_CHECK_MIN_BYTES:
+            return  # a small chat renders in a millisecond or two: nothing to save
+        shape = chat_roles(raw)
+        if shape is None or type(shape[0]) is not str:
+            return
+        model, roles = shape
+        replicas = self.fleet.eligible(model)
+        if not replicas:
+            return  # route() answers 404 or 503
+        _, base = adapter_of(model, replicas)
+        limit = self._prompt_limit(model, replicas)
+        tok = self.prompts.tokenizer(model, base)
+        if limit is None or tok is None:
+            return
+        # the last message may lose its end-of-turn token (continue_final_message): not counted
+        at_least = tok.chat_tokens_at_least(roles[:-1])
+        if at_least > limit:
+            raise ApiError(
+                400,
+                f"prompt is at least {at_least} tokens long ({len(roles)} messages, each marked by the chat template's "
+                f"special tokens), more than the limit of {limit}",
+                param="messages",
+                code="context_length_exceeded",
+            )
 
     def reroute(self, route: Route) -> Route | None:
         """``route.replica`` failed before the first byte: the next best replica's route, or None
