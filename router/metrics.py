@@ -27,7 +27,7 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 # microseconds to tens of milliseconds: the router's own share of a request
 _ADDED_LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-UPSTREAM_STAGES = ("connect", "first_byte", "mid_stream")
+UPSTREAM_STAGES = ("connect", "first_byte", "mid_stream", "auth")
 
 
 class ClientLabels:

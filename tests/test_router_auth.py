@@ -108,5 +108,41 @@ async def test_replica_key_is_the_routers_own_not_the_clients():
             resp = await openai_client(app, "client-key").completions.create(model=MODEL, prompt="hi", max_tokens=1)
             assert resp.choices
         async with running_router([rep.url]) as keyless:  # without it the replica refuses the router
-            with pytest.raises(openai.NotFoundError):
+            with pytest.raises(openai.APIStatusError) as refused:
                 await openai_client(keyless).completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            assert refused.value.status_code == 502 and refused.value.body["code"] == "upstream_auth_failed"
+
+
+@pytest.mark.parametrize("router_key", [None, "wrong-secret"])
+async def test_a_replica_refusing_the_routers_key_is_a_502_that_says_so_not_an_unknown_model(router_key, caplog):
+    """The issue's case: with a wrong replica key clients were told the model does not exist (the
+    replica's /v1/models answered 401, so no model was known).  Now a 502 naming the fleet's key,
+    an error log line and kvroute_replica_auth_refusals_total{replica}."""
+    fleet = {"replica_api_key": router_key} if router_key else {}
+    async with emulated_replicas(1, api_key="replica-secret") as (rep,):
+        async with running_router([rep.url], fleet=fleet) as app:
+            with pytest.raises(openai.APIStatusError) as refused:
+                await openai_client(app).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            assert refused.value.status_code == 502
+            assert refused.value.body["code"] == "upstream_auth_failed"
+            assert "fleet.replica_api_key" in refused.value.body["message"] and rep.url in refused.value.body["message"]
+            samples = await scrape(app.url)
+            assert samples[("kvroute_replica_auth_refusals_total", (("replica", rep.url),))] >= 1
+            errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+            assert any("refuses the router's API key" in m and "fleet.replica_api_key" in m for m in errors), errors
+
+
+async def test_a_proxied_request_the_replica_refuses_is_a_502_not_the_replicas_401():
+    """The replica's key changed after it joined: its 401 to a proxied request is not passed on as
+    if the client's key were wrong; the request is a 502 upstream_auth_failed, counted."""
+    async with emulated_replicas(1, api_key="replica-secret") as (rep,):
+        async with running_router([rep.url], fleet={"replica_api_key": "replica-secret"}) as app:
+            client = openai_client(app)
+            assert (await client.completions.create(model=MODEL, prompt="hi", max_tokens=1)).choices
+            rep.handlers.api_key = "rotated"
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            assert refused.value.status_code == 502 and refused.value.body["code"] == "upstream_auth_failed"
+            samples = await scrape(app.url)
+            assert samples[("kvroute_upstream_failures_total", (("replica", rep.url), ("stage", "auth")))] == 1
+            assert samples[("kvroute_replica_auth_refusals_total", (("replica", rep.url),))] == 1

@@ -134,11 +134,14 @@ class Handlers:
             return model
         return "unknown"
 
-    def _replica_failed(self, replica: str, stage: Stage | None) -> None:
-        """A replica failed a request (``stage``: None when it was only busy): its breaker counts it."""
+    def _replica_failed(self, replica: str, stage: Stage | None, status: int = 0) -> None:
+        """A replica failed a request (``stage``: None when it was only busy): its breaker counts it;
+        one that refused the router's API key is reported as such (logged, counted)."""
         if stage is not None:
             self.metrics.upstream_failures.labels(replica, stage).inc()
             self.fleet.report_failure(replica)
+            if stage == "auth":
+                self.fleet.report_auth_refused(replica, status, "a proxied request")
 
     def _url(self, replica: str) -> str | None:
         r = self.fleet.get(replica)
@@ -230,7 +233,7 @@ class Handlers:
                     opened = attempt
                     break
                 failure = attempt
-                self._replica_failed(attempt.replica, attempt.stage)
+                self._replica_failed(attempt.replica, attempt.stage, attempt.replica_status)
                 rerouted: Route | None = self.router.reroute(route)
                 if rerouted is None:
                     response: web.StreamResponse = self.proxy.unanswered(failure, rid)
@@ -286,7 +289,7 @@ class Handlers:
                                                 stream=False)
                 if isinstance(attempt, Unanswered):
                     failure = attempt
-                    self._replica_failed(name, attempt.stage)
+                    self._replica_failed(name, attempt.stage, attempt.replica_status)
                     continue
                 relayed = await self.proxy.respond(request, attempt, request_id=request[REQUEST_ID])
                 self.fleet.report_success(name)

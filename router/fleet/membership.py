@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from kvroute.common.registration import ReplicaRecord
 from kvroute.common.scrape import ScrapeResult
@@ -48,7 +48,7 @@ from kvroute.router.fleet.discovery import (
     StaticSource,
     entry_url,
 )
-from kvroute.router.fleet.probes import ReplicaProbes
+from kvroute.router.fleet.probes import AuthRefused, ReplicaProbes
 from kvroute.router.fleet.settings import FleetSettings
 
 log = logging.getLogger("kvroute.router.fleet")
@@ -75,6 +75,11 @@ class Fleet:
         self._redis = redis  # Redis discovery's client, if the caller has one; else made from settings
         self._sources: list[DiscoverySource] = []
         self._discovery_metrics = DiscoveryMetrics(registry)
+        self._auth_refusals = Counter(
+            "kvroute_replica_auth_refusals", "answers 401/403 from a replica to the router's own requests (its "
+            "/v1/models, or a proxied request): the replica refuses the router's API key (fleet.replica_api_key)",
+            ["replica"], registry=registry if registry is not None else CollectorRegistry(),
+        )
         self._replicas: dict[str, Replica] = {}
         self._loops: list[asyncio.Task[None]] = []
         self._listeners: list[Callable[[FleetEvent, Replica], None]] = []
@@ -389,6 +394,25 @@ class Fleet:
         r.indexed_spec = None
         self._notify("left", r)
 
+    def report_auth_refused(self, name: str, status: int, path: str) -> None:
+        """``name`` answered 401/403 to the router (its /v1/models, or a proxied request): counted,
+        and logged when it starts (the router's key, not the client's, is wrong: docs/design.md §7.5)."""
+        r = self._replicas.get(name)
+        if r is None:
+            return
+        self._auth_refusals.labels(name).inc()
+        if r.auth_refused is None:
+            key = "a different API key" if self._headers else "an API key"
+            log.error(
+                "replica %s refuses the router's API key: %s answered %d; it wants %s (set fleet.replica_api_key, "
+                "KVROUTE_FLEET__REPLICA_API_KEY, to the key its server was started with)", name, path, status, key,
+            )
+        r.auth_refused = status
+
+    def auth_refused(self) -> list[Replica]:
+        """Replicas refusing the router's API key: the models they serve are unknown to the router."""
+        return [r for r in self._replicas.values() if r.auth_refused is not None]
+
     # -- health -------------------------------------------------------------------------------
     async def _probe(self, r: Replica) -> None:
         health = await self.probes.health(r.url)
@@ -438,8 +462,15 @@ class Fleet:
 
     async def _read_models(self, r: Replica) -> bool:
         cards = await self.probes.model_cards(r.url)
+        if isinstance(cards, AuthRefused):
+            if self._current(r):
+                self.report_auth_refused(r.name, cards.status, cards.path)
+            return False
         if cards is None or not self._current(r):
             return False
+        if r.auth_refused is not None:
+            log.info("replica %s accepts the router's API key again", r.name)
+            r.auth_refused = None
         r.model_cards = cards
         r.models = {c["id"] for c in cards}
         r.models_read_at = time.monotonic()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import aiohttp
 
@@ -17,6 +17,14 @@ from kvroute.common.scrape import ScrapeResult, parse_vllm_metrics
 log = logging.getLogger("kvroute.router.fleet")
 
 Health = Literal["ok", "failed", "refused"]
+AUTH_STATUSES = frozenset({401, 403})
+
+
+class AuthRefused(NamedTuple):
+    """A replica answered 401/403: it refuses the router's API key (``fleet.replica_api_key``)."""
+
+    status: int
+    path: str
 
 
 class ReplicaProbes:
@@ -39,10 +47,13 @@ class ReplicaProbes:
         except (aiohttp.ClientError, OSError, TimeoutError):
             return "failed"
 
-    async def model_cards(self, url: str) -> list[dict[str, Any]] | None:
-        """The cards of ``/v1/models`` (those with a string id), or None (logged)."""
+    async def model_cards(self, url: str) -> list[dict[str, Any]] | AuthRefused | None:
+        """The cards of ``/v1/models`` (those with a string id), :class:`AuthRefused` for a 401/403
+        (the fleet logs it), or None (logged)."""
         try:
             async with self.session.get(url + "/v1/models", headers=self.headers, timeout=self._health_timeout) as resp:
+                if resp.status in AUTH_STATUSES:
+                    return AuthRefused(resp.status, "/v1/models")
                 if resp.status != 200:
                     log.warning("replica %s: /v1/models answered %d", url, resp.status)
                     return None

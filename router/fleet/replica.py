@@ -44,6 +44,7 @@ class Replica:
     sources: set[str] = field(default_factory=set)
     record: ReplicaRecord | None = None
     health_failures: int = 0  # consecutive
+    auth_refused: int | None = None  # the status (401/403) of its last refusal of the router's key; None: accepted
     models_read_at: float | None = None
     process_start_time: float | None = None
     scraped_block_size: int | None = None

@@ -59,8 +59,11 @@ _decode = msgspec.json.Decoder()
 # (UpstreamError is an OSError; TimeoutError is asyncio.timeout's)
 _UPSTREAM_ERRORS = (OSError, TimeoutError)
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+# the replica refuses the router's own API key: the router's fault, never the client's to see as its
+# own 401 (retried elsewhere: another replica may hold the key the router sends)
+_AUTH_STATUSES = frozenset({401, 403})
 
-Stage = Literal["connect", "first_byte", "mid_stream"]
+Stage = Literal["connect", "first_byte", "mid_stream", "auth"]
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class Unanswered:
     replica: str
     status: int  # the replica's (429, 5xx), or 502 (it failed) / 504 (it timed out)
     error: str | bytes  # why (bytes: the replica's own error answer, in OpenAI's shape)
-    stage: Stage | None  # the replica failed (its breaker counts it); None: only busy (a 429)
+    stage: Stage | None  # the replica failed (its breaker counts it; "auth": it refused the router's key); None: busy (429)
+    replica_status: int = 0  # what the replica answered, when it answered (a 401 behind a 502 "auth")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +176,13 @@ class Proxy:
                 if url is None:  # left the fleet between the decision and now
                     raise UpstreamError(f"replica {replica} is gone")
                 upstream = await self.pool.request(url, path, self._headers(request_id), body)
+                if upstream.status in _AUTH_STATUSES:
+                    await upstream.read()
+                    upstream.release()
+                    error = (f"replica {replica} refuses the router's API key ({upstream.status}); the router's "
+                             "operator must set fleet.replica_api_key")
+                    log.warning("request %s: %s", request_id, error)
+                    return Unanswered(replica, 502, error, "auth", upstream.status)
                 if upstream.status in _RETRY_STATUSES:
                     data = await upstream.read()
                     upstream.release()
@@ -237,6 +248,8 @@ class Proxy:
         if isinstance(failure.error, bytes):
             return web.Response(status=failure.status, body=failure.error, content_type="application/json", headers=headers)
         code = "upstream_timeout" if failure.status == 504 else "upstream_unavailable"
+        if failure.stage == "auth":
+            code = "upstream_auth_failed"
         raise ApiError(failure.status, f"no replica could serve the request: {failure.error}", code=code, headers=headers)
 
     @staticmethod

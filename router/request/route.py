@@ -246,7 +246,8 @@ class Router:
         return [self.placement.snapshot(r.name, r.running) for r in replicas]
 
     def eligible(self, model: str) -> list[Replica]:
-        """Replicas that may take a request for ``model``; 404 if none serves it, 503 if none is up."""
+        """Replicas that may take a request for ``model``; 404 if none serves it, 503 if none is up,
+        502 if none serves it while some refuse the router's API key (docs/design.md §7.5)."""
         replicas = self.fleet.eligible(model)
         if replicas:
             return replicas
@@ -256,5 +257,14 @@ class Router:
                 f"no healthy replica is serving model {model!r} right now",
                 code="no_replica_available",
                 headers={"Retry-After": str(max(1, self.settings.retry_after_s))},
+            )
+        refusing = self.fleet.auth_refused()
+        if refusing:  # their models are unknown: the router's key is the problem, not the client's request
+            names = ", ".join(sorted(r.name for r in refusing)[:3]) + (" and others" if len(refusing) > 3 else "")
+            raise ApiError(
+                502,
+                f"no replica known to serve model {model!r}: replica(s) {names} refuse the router's API key "
+                f"({refusing[0].auth_refused}); the router's operator must set fleet.replica_api_key",
+                code="upstream_auth_failed",
             )
         raise ApiError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
