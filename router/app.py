@@ -184,7 +184,9 @@ class RouterApp:
             )
             await self._runner.setup()
             # several workers listen on one port: the kernel spreads connections over them
-            site = web.TCPSite(self._runner, s.host, s.port, backlog=1024, reuse_port=self._worker is not None or None)
+            site = web.TCPSite(
+                self._runner, s.host, s.port, backlog=s.listen_backlog, reuse_port=self._worker is not None or None
+            )
             await site.start()
             if self.worker_metrics is not None:
                 self.worker_metrics.start()

@@ -108,6 +108,11 @@ class RouterSettings(BaseSettings):
     # -- listening -------------------------------------------------------------------------
     host: str = Field("0.0.0.0", description="address to listen on", json_schema_extra=_hint("ADDRESS"))
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    listen_backlog: int = Field(
+        4096, gt=0, description="connections the kernel completes and queues for the router to accept (the "
+        "kernel caps it at net.core.somaxconn); a burst larger than this, on a busy router, waits for TCP's SYN "
+        "retransmits (1 s, 3 s, 7 s)"
+    )
     workers: int = Field(
         1, ge=1, description="router processes sharing the port (SO_REUSEPORT), each a whole router; 'auto': one "
         "per usable core (CPU affinity, at most the cgroup CPU quota)"

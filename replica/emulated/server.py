@@ -118,7 +118,9 @@ class EmulatedReplica:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        # a router opens its upstream connections in bursts (one per request when its pool is empty):
+        # aiohttp's default backlog of 128 drops SYNs of such a burst, each then waits 1 s or more
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=4096)
         try:
             await site.start()
         except OSError:
