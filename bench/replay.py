@@ -201,10 +201,16 @@ def chat_reuse(rows: Sequence[dict], tokenizer_dir: Any = None, block_size: int 
 
 def summarize(result: ReplayResult, profile: Any = None, replica_time_scale: float = 1.0,
               tokenizer_dir: Any = None, block_size: int | None = None, records: bool = False,
-              reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+              reuse: dict[str, Any] | None = None, give_up_s: float | None = None) -> dict[str, Any]:
+    """The replay's figures.  With ``give_up_s`` (the request timeout), a failed request counts in
+    the TTFT percentiles as that long: it never got a first token, and leaving it out would let a
+    router that fails its slowest requests show a better tail (``answered_ttft`` keeps the
+    answered requests' own percentiles)."""
     ok = [i for i, r in enumerate(result.records) if r.ok]
     recs = result.records
     ttft = np.array([recs[i].ttft_s for i in ok])
+    counted = list(range(len(recs))) if give_up_s is not None else ok
+    ttft_counted = np.array([recs[i].ttft_s if recs[i].ok else give_up_s for i in counted])
     chat = is_chat(result.rows)
     mismatched = 0
     if chat:
@@ -227,7 +233,9 @@ def summarize(result: ReplayResult, profile: Any = None, replica_time_scale: flo
         "answered": len(ok),
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
-        **percentiles(ttft),
+        **percentiles(ttft_counted),
+        "answered_ttft": percentiles(ttft),
+        "failed_counted_as_s": give_up_s,
         "reuse_available": float(avail.sum() / input_tokens) if input_tokens else math.nan,
         "reuse_delivered": cached / prompt if prompt else math.nan,
         "input_tokens": input_tokens,
@@ -247,15 +255,17 @@ def summarize(result: ReplayResult, profile: Any = None, replica_time_scale: flo
         out["reuse_delivered"] / out["reuse_available"] if out["reuse_available"] else math.nan
     )
     out["limit"] = None
-    if profile is not None and ok:
+    if profile is not None and counted:
         bs = profile.block_size
-        prompts = [recs[i].prompt_tokens for i in ok]
-        seen = [min(int(avail[i]), p) // bs for i, p in zip(ok, prompts)]
+        # a failed request's prompt as the trace gives it (the replica reported none)
+        prompts = [recs[i].prompt_tokens if recs[i].ok else (lengths[i] if chat else int(result.rows[i]["input_length"]))
+                   for i in counted]
+        seen = [min(int(avail[i]), p) // bs for i, p in zip(counted, prompts)]
         limits = limit_ttfts(profile, prompts, seen, bs) * replica_time_scale
         out["limit"] = percentiles(limits)
         out["ttft_vs_limit"] = multiples(out, out["limit"])
     if records:
-        limit_of = dict(zip(ok, limits.tolist())) if out["limit"] is not None else {}
+        limit_of = dict(zip(counted, limits.tolist())) if out["limit"] is not None else {}
         t0 = np.nanmin([r.sent_at for r in recs]) if recs else 0.0
         out["records"] = [
             {"row": i, "session_id": r.session_id or None, "sent_s": round(r.sent_at - t0, 4),
@@ -353,7 +363,8 @@ def print_summary(figures: dict[str, Any], title: str) -> None:
         table.caption = "physical limit: " + ", ".join(f"p{k[6:8]} {secs(limit[k])}" for k in LIMIT_KEYS) + "; (Nx) = over the limit's"
     Console(width=140).print(table)
     if figures["first_error"]:
-        print(f"first error: {figures['first_error']}")
+        print(f"first error: {figures['first_error']} ({figures['errors']} failed requests count in the TTFT "
+              f"percentiles as the request timeout, {figures['failed_counted_as_s']:g} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(Replayer(args, rows).run(done))
     reuse = json.loads(Path(args.available).read_text()) if args.available else None
     figures = summarize(result, profile, args.replica_time_scale, args.tokenizer, args.block_size, args.records and args.json,
-                        reuse)
+                        reuse, give_up_s=args.request_timeout)
     if result.tokens_per_word is None and not is_chat(rows):
         err.print("[yellow]the endpoint has no /tokenize: one token per word assumed (blocks may not be 512 tokens)[/]")
     if args.json:

@@ -120,3 +120,26 @@ def test_prompt_text_shares_exactly_the_shared_blocks():
     assert [len(x.split()) for x in blocks_b[:3]] == [100, 100, 100]
     assert len(blocks_a[2].split()) == round(100 * (1300 - 1024) / 512)  # the partial last block
     assert blocks_b[2].split()[:10] != blocks_a[2].split()[:10]
+
+
+def test_a_failed_request_counts_in_the_ttft_percentiles_as_the_give_up_time():
+    """Left out, the requests a router fails (its slowest) would improve its tail: a router that
+    times out 2 of 10 requests must show a p90 of at least the give-up time."""
+    from kvroute.bench.demo_chat import RequestRecord
+    from kvroute.bench.replay import ReplayResult, summarize
+
+    rows = small_trace(10)
+    records = [RequestRecord(f"s{i}", i, 0.0, ttft_s=0.1, prompt_tokens=r["input_length"]) for i, r in enumerate(rows)]
+    for r in records[:2]:
+        r.ttft_s, r.error = float("nan"), "timeout"
+    result = ReplayResult(rows, records, 1.0, 100, None)
+    counted = summarize(result, give_up_s=20.0)
+    answered = summarize(result)
+    assert counted["errors"] == 2 and counted["answered"] == 8
+    assert counted["ttft_p90_s"] >= 20.0 and counted["ttft_p50_s"] == 0.1
+    assert answered["ttft_p90_s"] == 0.1  # the old, survivors-only view
+    assert counted["answered_ttft"]["ttft_p99_s"] == 0.1
+    from kvroute.bench.sim_cli import resolve_profile
+
+    limited = summarize(result, resolve_profile("llama3-8b-h100"), give_up_s=20.0)  # failed rows' limits from the trace
+    assert limited["limit"]["ttft_p90_s"] > 0 and limited["ttft_vs_limit"]["ttft_p90_s"] > 1

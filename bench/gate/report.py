@@ -53,7 +53,8 @@ def print_workload(name: str, w: dict[str, Any], console: Any) -> None:
                       " / ".join(mult(engine.get(k), k) for k in TTFT_KEYS), str(fig.get("errors", 0)),
                       ", ".join(notes), end_section=i == len(live) - 1)
     table.caption = ("TTFT: at the client, as a multiple of the physical limit's percentile (each request alone on an idle "
-                     "replica, one infinite shared cache), then wall ms.  engine: the replicas' own TTFT (submission to first "
+                     "replica, one infinite shared cache), then wall ms; a failed request (errors) counts as the request "
+                     "timeout, the time its user waited for nothing.  engine: the replicas' own TTFT (submission to first "
                      "token: no HTTP, router or client time, so little of this machine's noise), as multiples.  sim: the "
                      "simulator on the same requests (engine time x time scale).  note: the slow replica's share of the requests, the "
                      "router's CPU seconds during the replay, the cores other jobs on the machine took meanwhile.")
