@@ -68,7 +68,7 @@ async def run_gate(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
 
     err = Console(stderr=True)
-    out_dir = Path(args.out)
+    out_dir = Path(args.out).resolve()  # absolute: a --compare router runs in its own checkout
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("*.log"):
