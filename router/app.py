@@ -3,6 +3,7 @@
 Endpoints
     POST /v1/completions, /v1/chat/completions   routed (cache-aware), streamed or not
     POST /v1/responses                           routed as a chat (common/responses.py)
+    GET  /v1/responses/{id}, POST .../{id}/cancel to the replica that stored the id
     POST /v1/embeddings, /tokenize, /detokenize  passed to a replica serving the body's model
     GET  /v1/models, /v1/models/{id}             the union of the fleet's models
     GET  /health                                 the process is alive (200; with health_requires_replica,
@@ -54,6 +55,7 @@ from kvroute.router.placement.policy import make_policy
 from kvroute.router.placement.sequence import Placement
 from kvroute.router.request.accounting import Accounting
 from kvroute.router.request.prompt import PromptBuilder
+from kvroute.router.request.response_homes import ResponseHomes
 from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.router.request.reuse import ReuseTracker
 from kvroute.router.request.route import Router
@@ -116,6 +118,10 @@ class RouterApp:
             self.worker_metrics = WorkerMetrics(self.metrics.publish, restarted=self._worker.restarted)
         self.reuse = ReuseTracker(window_blocks=s.reuse_window_blocks)
         self.responses = ResponseMemory(int(s.responses_memory_mb * 2**20))
+        self.response_homes = ResponseHomes(  # shared through Redis when there is one
+            self.responses, s.redis_url, key_prefix=s.redis_key_prefix, ttl_s=s.responses_ttl_s,
+            timeout_s=5 * s.index_timeout_s,
+        )
         # the index client bounds the lookup by index_timeout_s and writes predictions behind the answer
         self.placement = Placement(self.policy, self.index_client, self.load)
         prompts = PromptBuilder(self.tokenizers, want_text=self.policy.needs_text)
@@ -140,6 +146,7 @@ class RouterApp:
             fleet=self.fleet,
             load=self.load,
             responses=self.responses,
+            response_homes=self.response_homes,
             index=self.index_client,
             metrics=self.metrics,
             peers=self._worker,
@@ -249,6 +256,7 @@ class RouterApp:
         await self.session.close()
         await self.upstream.close()
         await self.index.close()
+        await self.response_homes.close()
         await self.tokenizers.aclose()
 
     async def __aenter__(self) -> RouterApp:

@@ -158,6 +158,10 @@ class RouterSettings(BaseSettings):
         "messages the next turn renders), MB of text, least recently used forgotten first",
         json_schema_extra=_hint("MB"),
     )
+    responses_ttl_s: float = Field(
+        86400.0, gt=0, description="with redis_url: life of a stored response's 'id -> replica' entry in Redis, "
+        "through which every router and worker finds the replica of a previous_response_id, a GET or a cancel"
+    )
 
     # -- limits ----------------------------------------------------------------------------
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="largest request body (413 above)")

@@ -165,7 +165,8 @@ class Proxy:
         return {**self._fixed_headers, "X-Request-Id": request_id}
 
     async def open(
-        self, replica: str, url: str | None, path: str, body: bytes, *, request_id: str, stream: bool
+        self, replica: str, url: str | None, path: str, body: bytes, *, request_id: str, stream: bool,
+        method: str = "POST",
     ) -> Opened | Unanswered:
         """Send ``body`` to ``replica`` (at ``url``; None: it left the fleet) and wait for its first
         byte (a stream's first event, or a whole non-streamed answer)."""
@@ -175,7 +176,7 @@ class Proxy:
             async with asyncio.timeout(self.timeouts.first_byte_s):
                 if url is None:  # left the fleet between the decision and now
                     raise UpstreamError(f"replica {replica} is gone")
-                upstream = await self.pool.request(url, path, self._headers(request_id), body)
+                upstream = await self.pool.request(url, path, self._headers(request_id), body, method)
                 if upstream.status in _AUTH_STATUSES:
                     await upstream.read()
                     upstream.release()
