@@ -23,11 +23,13 @@ requests in flight finish (up to ``drain_timeout_s``).
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Iterable
 
 from aiohttp import web
 
 from kvroute.common.errors import error_middleware
+from kvroute.common.tls import client_context, server_context
 from kvroute.common.tokens import ClientTemplates, TokenizerRegistry
 from kvroute.common.tokens.memory import keep_large_buffers_mapped
 
@@ -83,6 +85,7 @@ class RouterApp:
         s = self.settings
         keep_large_buffers_mapped()  # a huge request's buffers go back to the OS once freed
         self.timeouts = Timeouts(s.connect_timeout_s, s.first_byte_timeout_s, s.idle_timeout_s)
+        listener_tls, upstream_tls = self._tls_contexts()  # first: a bad file stops the router before anything runs
         client_templates = None
         if s.allow_client_chat_template:
             client_templates = ClientTemplates(
@@ -95,8 +98,8 @@ class RouterApp:
         if client_templates is not None:
             client_templates.start()  # in the background: an interpreter per worker
         self.policy = make_policy(s.policy, **s.policy_options)
-        self.session = make_upstream_session(self.timeouts)  # the fleet's probes and scrapes
-        self.upstream = make_upstream_pool(self.timeouts)  # proxied requests
+        self.session = make_upstream_session(self.timeouts, upstream_tls)  # the fleet's probes and scrapes
+        self.upstream = make_upstream_pool(self.timeouts, upstream_tls)  # proxied requests
         self.index = self._make_index()
         self.load = LoadTracker()
         self.metrics = RouterMetrics(self.policy.name, self.policy.reasons, s.max_client_labels)
@@ -192,7 +195,8 @@ class RouterApp:
             await self._runner.setup()
             # several workers listen on one port: the kernel spreads connections over them
             site = web.TCPSite(
-                self._runner, s.host, s.port, backlog=s.listen_backlog, reuse_port=self._worker is not None or None
+                self._runner, s.host, s.port, backlog=s.listen_backlog, reuse_port=self._worker is not None or None,
+                ssl_context=listener_tls,
             )
             await site.start()
             if self.worker_metrics is not None:
@@ -203,6 +207,16 @@ class RouterApp:
         self._port = self._runner.addresses[0][1]
         log.info("router listening on %s (policy %s, index %s); client connections capped at %d (open-file limit %d)",
                  self.url, self.policy.name, type(self.index).__name__, cap, open_files)
+
+    def _tls_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+        """The listener's (``tls_cert_file``) and the one for https replicas (the fleet's CA bundle,
+        client certificate); None: plain HTTP, and the system's CAs for https replicas."""
+        s, f = self.settings, self.settings.fleet
+        listener = server_context(s.tls_cert_file, s.tls_key_file) if s.tls_cert_file and s.tls_key_file else None
+        upstream = None
+        if f.replica_ca_file or f.replica_client_cert_file:
+            upstream = client_context(f.replica_ca_file, f.replica_client_cert_file, f.replica_client_key_file)
+        return listener, upstream
 
     def _make_index(self) -> PrefixIndex:
         s = self.settings
@@ -228,7 +242,8 @@ class RouterApp:
     def url(self) -> str:
         host = self.settings.host
         host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        scheme = "https" if self.settings.tls_cert_file else "http"
+        return f"{scheme}://[{host}]:{self.port}" if ":" in host else f"{scheme}://{host}:{self.port}"
 
     @property
     def in_flight(self) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import weakref
 from collections.abc import Mapping
@@ -121,9 +122,13 @@ class Outcome:
     mid_stream_error: str | None = None
 
 
-def make_upstream_session(timeouts: Timeouts) -> aiohttp.ClientSession:
-    """One pooled session for the fleet's probes and scrapes (requests go through ``make_upstream_pool``)."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=60)
+def make_upstream_session(timeouts: Timeouts, tls: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
+    """One pooled session for the fleet's probes and scrapes (requests go through ``make_upstream_pool``);
+    ``tls``: how https replicas are verified and what certificate the router shows them (the same
+    context as the pool's, so a probe succeeds exactly when a request can)."""
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=60, ssl=tls if tls is not None else True
+    )
     return aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),
@@ -133,9 +138,9 @@ def make_upstream_session(timeouts: Timeouts) -> aiohttp.ClientSession:
     )
 
 
-def make_upstream_pool(timeouts: Timeouts) -> UpstreamPool:
-    """The keep-alive connections every proxied request goes through."""
-    return UpstreamPool(timeouts.connect_s, keepalive_s=30.0)
+def make_upstream_pool(timeouts: Timeouts, tls: ssl.SSLContext | None = None) -> UpstreamPool:
+    """The keep-alive connections every proxied request goes through (``tls``: for https replicas)."""
+    return UpstreamPool(timeouts.connect_s, keepalive_s=30.0, ssl_context=tls)
 
 
 _nodelay_done: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()

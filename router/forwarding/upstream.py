@@ -439,14 +439,15 @@ class _Target:
 class UpstreamPool:
     """Keep-alive connections per (host, port), shared by every request to the replicas."""
 
-    def __init__(self, connect_timeout_s: float, keepalive_s: float = 30.0, max_idle_per_host: int = 256):
+    def __init__(self, connect_timeout_s: float, keepalive_s: float = 30.0, max_idle_per_host: int = 256,
+                 ssl_context: ssl.SSLContext | None = None):
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
         self.max_idle_per_host = max_idle_per_host
         self._targets: dict[str, _Target] = {}
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._open: set[_Connection] = set()
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context  # https replicas (None: the system's CAs, made when first needed)
         self._sweep_timer: asyncio.TimerHandle | None = None
         self.closed = False
 
