@@ -99,7 +99,7 @@ class RouterApp:
             client_templates.start()  # in the background: an interpreter per worker
         self.policy = make_policy(s.policy, **s.policy_options)
         self.session = make_upstream_session(self.timeouts, upstream_tls)  # the fleet's probes and scrapes
-        self.upstream = make_upstream_pool(self.timeouts, upstream_tls)  # proxied requests
+        self.upstream = make_upstream_pool(self.timeouts, upstream_tls, s.fleet.replica_server_name)  # proxied requests
         self.index = self._make_index()
         self.load = LoadTracker()
         self.metrics = RouterMetrics(self.policy.name, self.policy.reasons, s.max_client_labels)

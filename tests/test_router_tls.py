@@ -17,7 +17,7 @@ from kvroute.router.app import RouterApp
 from kvroute.router.main import main
 from tests.conftest import free_port
 from tests.router_support import MODEL, TINY_TOKENIZER, RouterProcess, emulated_replicas, running_router
-from tests.tls_support import Pki, make_pki
+from tests.tls_support import FLEET_NAME, Pki, make_pki
 
 HELLO = [{"role": "user", "content": "Hello over TLS."}]
 
@@ -91,6 +91,22 @@ async def test_the_router_reaches_https_replicas_with_a_ca_bundle(pki):
                     await chat(client)
             assert untrusted.value.status_code == 502 and untrusted.value.body["code"] == "upstream_tls_failed"
             assert "certificate verify failed" in untrusted.value.body["message"]
+
+
+async def test_replicas_found_by_address_are_checked_against_one_fleet_name(pki):
+    """A certificate that names the fleet, not each replica's address: verified against
+    fleet.replica_server_name (probes and requests alike), refused without it."""
+    tls = {"ssl_certfile": str(pki.fleet_cert), "ssl_keyfile": str(pki.fleet_key)}
+    async with emulated_replicas(1, **tls) as reps:
+        named = {"replica_ca_file": pki.ca, "replica_server_name": FLEET_NAME}
+        async with running_router([reps[0].url], fleet=named) as app:
+            async with openai.AsyncOpenAI(base_url=app.url + "/v1", api_key="x", max_retries=0) as client:
+                assert await chat(client)
+        async with running_router([reps[0].url], fleet={"replica_ca_file": pki.ca}) as app:
+            async with openai.AsyncOpenAI(base_url=app.url + "/v1", api_key="x", max_retries=0) as client:
+                with pytest.raises(openai.APIStatusError) as mismatch:
+                    await chat(client)
+            assert mismatch.value.status_code == 502 and "IP address mismatch" in mismatch.value.body["message"]
 
 
 async def test_mutual_tls(pki):

@@ -1,5 +1,5 @@
 """Certificates made for a test by the ``openssl`` command: a private CA, a server certificate for
-127.0.0.1/localhost and a client certificate, both signed by it, and a second CA that signed
+127.0.0.1/localhost, one for a name only (a fleet's) and a client certificate, all signed by it, and a second CA that signed
 neither (to show what a client that trusts the wrong CA gets)."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+FLEET_NAME = "replicas.kvroute.test"  # the one name of the "fleet" certificate (not its address)
 _EXTENSIONS = {
     "server": "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+    "fleet": f"subjectAltName=DNS:{FLEET_NAME}\nextendedKeyUsage=serverAuth\n",
     "client": "extendedKeyUsage=clientAuth\n",
 }
 _KEY_ID = "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\nbasicConstraints=critical,CA:FALSE\n"
@@ -23,6 +25,8 @@ class Pki:
     server_key: Path
     client_cert: Path
     client_key: Path
+    fleet_cert: Path  # names FLEET_NAME only, as one certificate for replicas found by IP would
+    fleet_key: Path
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -47,7 +51,8 @@ def _signed(name: str, cwd: Path) -> None:
 def make_pki(directory: Path) -> Pki:
     _ca("ca", directory)
     _ca("other-ca", directory)
-    for name in ("server", "client"):
+    for name in ("server", "client", "fleet"):
         _signed(name, directory)
     d = directory
-    return Pki(d / "ca.crt", d / "other-ca.crt", d / "server.crt", d / "server.key", d / "client.crt", d / "client.key")
+    return Pki(d / "ca.crt", d / "other-ca.crt", d / "server.crt", d / "server.key", d / "client.crt", d / "client.key",
+               d / "fleet.crt", d / "fleet.key")

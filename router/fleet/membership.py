@@ -88,7 +88,7 @@ class Fleet:
         self._headers = {"Authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
         self.probes = ReplicaProbes(
             session, self._headers, health_timeout_s=settings.health_timeout_s, metrics_timeout_s=settings.metrics_timeout_s,
-            has_client_cert=settings.replica_client_cert_file is not None,
+            has_client_cert=settings.replica_client_cert_file is not None, server_name=settings.replica_server_name,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -132,7 +132,7 @@ class Fleet:
             sources.append(
                 K8sSource(
                     s.k8s_selector, namespace=s.k8s_namespace, port_name=s.k8s_port_name, port=s.k8s_port,
-                    timeout_s=s.discovery_timeout_s, metrics=self._discovery_metrics,
+                    scheme=s.k8s_scheme, timeout_s=s.discovery_timeout_s, metrics=self._discovery_metrics,
                 )
             )
         return sources

@@ -53,12 +53,18 @@ class FleetSettings(BaseModel):
     k8s_port: int | None = Field(
         None, gt=0, le=65535, description="port of a pod that has no port of that name", json_schema_extra=hint("PORT")
     )
+    k8s_scheme: Literal["http", "https"] = Field("http", description="scheme of the replicas found in Kubernetes")
     replica_api_key: str | None = Field(
         None, description="sent to replicas as Bearer (not a client key)", json_schema_extra=hint("KEY")
     )
     replica_ca_file: Path | None = Field(
         None, description="PEM CA bundle that https replicas' certificates are verified against (unset: the "
         "system's CAs)", json_schema_extra=hint("FILE"),
+    )
+    replica_server_name: str | None = Field(
+        None, description="name the https replicas' certificates are checked against (and sent as SNI), in place "
+        "of the host of each replica's URL: one certificate for a fleet found by IP address (DNS, Kubernetes), "
+        "e.g. vllm.llm.svc", json_schema_extra=hint("NAME"),
     )
     replica_client_cert_file: Path | None = Field(
         None, description="PEM client certificate the router presents to https replicas that require one (mTLS)",
@@ -102,7 +108,8 @@ class FleetSettings(BaseModel):
         "'silent': routed on predictions until its events arrive"
     )
 
-    @field_validator("replica_ca_file", "replica_client_cert_file", "replica_client_key_file", mode="before")
+    @field_validator("replica_ca_file", "replica_client_cert_file", "replica_client_key_file", "replica_server_name",
+                     mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value  # a chart's empty variable

@@ -138,9 +138,12 @@ def make_upstream_session(timeouts: Timeouts, tls: ssl.SSLContext | None = None)
     )
 
 
-def make_upstream_pool(timeouts: Timeouts, tls: ssl.SSLContext | None = None) -> UpstreamPool:
-    """The keep-alive connections every proxied request goes through (``tls``: for https replicas)."""
-    return UpstreamPool(timeouts.connect_s, keepalive_s=30.0, ssl_context=tls)
+def make_upstream_pool(
+    timeouts: Timeouts, tls: ssl.SSLContext | None = None, server_name: str | None = None
+) -> UpstreamPool:
+    """The keep-alive connections every proxied request goes through (``tls``, ``server_name``: for
+    https replicas)."""
+    return UpstreamPool(timeouts.connect_s, keepalive_s=30.0, ssl_context=tls, server_name=server_name)
 
 
 _nodelay_done: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
