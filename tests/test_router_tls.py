@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import ssl
+import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -16,7 +19,7 @@ import pytest
 from kvroute.router.app import RouterApp
 from kvroute.router.main import main
 from tests.conftest import free_port
-from tests.router_support import MODEL, TINY_TOKENIZER, RouterProcess, emulated_replicas, running_router
+from tests.router_support import MODEL, REPO, TINY_TOKENIZER, RouterProcess, emulated_replicas, running_router
 from tests.tls_support import FLEET_NAME, Pki, make_pki
 
 HELLO = [{"role": "user", "content": "Hello over TLS."}]
@@ -125,6 +128,27 @@ async def test_mutual_tls(pki):
                     await chat(client)
             assert refused.value.status_code == 502 and refused.value.body["code"] == "upstream_tls_failed"
             assert "fleet.replica_client_cert_file" in refused.value.body["message"]
+
+
+async def test_the_router_images_health_check_speaks_https_when_the_router_does(pki):
+    """Dockerfile.router's HEALTHCHECK, run as Docker runs it (its exec form, the image's variables),
+    against an HTTPS router: https with KVROUTE_TLS_CERT_FILE set, and plain http fails there."""
+    line = next(x for x in (REPO / "deploy" / "Dockerfile.router").read_text().replace("\\\n", " ").splitlines()
+                if x.startswith("HEALTHCHECK"))
+    command = json.loads(line.split(" CMD ", 1)[1])
+    assert command[:2] == ["python", "-c"]
+    async with emulated_replicas(1) as reps, running_router(
+        [reps[0].url], tls_cert_file=pki.server_cert, tls_key_file=pki.server_key
+    ) as app:
+        async def check(**env: str) -> int:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, *command[1:], env={"PATH": os.environ["PATH"], "KVROUTE_PORT": str(app.port), **env},
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )
+            return await asyncio.wait_for(proc.wait(), 30)
+
+        assert await check(KVROUTE_TLS_CERT_FILE=str(pki.server_cert)) == 0
+        assert await check() != 0
 
 
 @pytest.mark.parametrize("case", ["missing cert", "missing key", "key of another cert", "only a cert", "missing ca"])
