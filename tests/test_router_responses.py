@@ -224,3 +224,20 @@ async def test_without_redis_another_router_does_not_know_the_id():
             assert (await openai_client(a).responses.retrieve(made.id)).id == made.id
             with pytest.raises(openai.NotFoundError):
                 await openai_client(b).responses.retrieve(made.id)
+
+
+async def test_an_unreachable_redis_costs_only_the_lookup_across_routers(caplog):
+    from tests.conftest import free_port
+
+    async with emulated_replicas(2) as reps:
+        dead = f"redis://127.0.0.1:{free_port()}/0"
+        async with running_router([r.url for r in reps], redis_url=dead, index_timeout_s=0.2) as app:
+            client = openai_client(app)
+            made = await client.responses.create(model=MODEL, input="Hello.", max_output_tokens=2)
+            follow = await client.responses.create(model=MODEL, input="More.", max_output_tokens=2,
+                                                   previous_response_id=made.id)
+            assert _holder(reps, follow.id) is _holder(reps, made.id)
+            assert (await client.responses.retrieve(made.id)).id == made.id  # this router's own memory
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve("resp_unknown")
+    assert any(f"response {made.id!r}: its replica not written to Redis" in r.getMessage() for r in caplog.records)

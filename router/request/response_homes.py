@@ -52,7 +52,7 @@ class ResponseHomes:
             async with asyncio.timeout(self.timeout_s):
                 await self._redis.set(self._prefix + response_id, replica, px=self.ttl_ms)
         except _REDIS_FAILURES as exc:
-            log.warning("response %s: its replica not written to Redis (other routers cannot find it): %r",
+            log.warning("response %r: its replica not written to Redis (other routers cannot find it): %r",
                         response_id, exc)
 
     async def find(self, response_id: str) -> str | None:
@@ -64,7 +64,7 @@ class ResponseHomes:
             async with asyncio.timeout(self.timeout_s):
                 return await self._redis.get(self._prefix + response_id)
         except _REDIS_FAILURES as exc:
-            log.warning("response %s: its replica not read from Redis: %r", response_id, exc)
+            log.warning("response %r: its replica not read from Redis: %r", response_id, exc)
             return None
 
     async def close(self) -> None:
