@@ -178,3 +178,18 @@ async def _ready(app: RouterApp) -> dict:
     async with aiohttp.ClientSession() as s, s.get(app.url + "/ready") as r:
         assert r.status == 200, await r.text()
         return await r.json()
+
+
+def test_tls_settings_from_the_environment(pki, monkeypatch):
+    from kvroute.router.config import load_settings
+
+    monkeypatch.setenv("KVROUTE_TLS_CERT_FILE", str(pki.server_cert))
+    monkeypatch.setenv("KVROUTE_TLS_KEY_FILE", str(pki.server_key))
+    monkeypatch.setenv("KVROUTE_FLEET__REPLICA_CA_FILE", str(pki.ca))
+    monkeypatch.setenv("KVROUTE_FLEET__REPLICA_CLIENT_CERT_FILE", "")  # a chart's or compose's empty variable: unset
+    settings = load_settings([])
+    assert settings.tls_cert_file == pki.server_cert and settings.tls_key_file == pki.server_key
+    assert settings.fleet.replica_ca_file == pki.ca and settings.fleet.replica_client_cert_file is None
+    monkeypatch.setenv("KVROUTE_FLEET__REPLICA_CLIENT_CERT_FILE", str(pki.client_cert))
+    with pytest.raises(ValueError, match="replica_client_cert_file and fleet.replica_client_key_file go together"):
+        load_settings([])
