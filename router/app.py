@@ -41,7 +41,7 @@ from kvroute.router.edge.cutoff import RequestCutoff
 from kvroute.router.edge.handlers import Handlers, know_models, replica_status
 from kvroute.router.edge.request_id import request_id_middleware, request_id_of
 from kvroute.router.edge.connections import ConnectionMetrics, connection_cap, open_file_limit
-from kvroute.router.edge.server import ClientAppRunner, ClientLimits, announce_close, count_timeouts
+from kvroute.router.edge.server import ClientAppRunner, ClientLimits, ClientSite, announce_close, count_timeouts
 from kvroute.router.fleet.engine_counters import EngineCacheCounters
 from kvroute.router.fleet.kvevents import KVEventSubscriber
 from kvroute.router.fleet.kvevents.metrics import KVEventsStateCollector
@@ -194,9 +194,9 @@ class RouterApp:
             )
             await self._runner.setup()
             # several workers listen on one port: the kernel spreads connections over them
-            site = web.TCPSite(
+            site = ClientSite(
                 self._runner, s.host, s.port, backlog=s.listen_backlog, reuse_port=self._worker is not None or None,
-                ssl_context=listener_tls,
+                ssl_context=listener_tls, handshake_timeout_s=s.header_timeout_s or None,
             )
             await site.start()
             if self.worker_metrics is not None:

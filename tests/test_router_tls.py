@@ -61,6 +61,23 @@ async def test_the_openai_client_reaches_the_router_over_https(pki):
                 await plain.get(app.url.replace("https", "http") + "/health")
 
 
+async def test_a_client_that_never_finishes_the_tls_handshake_is_closed_at_the_header_timeout(pki):
+    """The header timeout starts once TLS is up: the handshake is bounded by it too (asyncio alone
+    would give it 60 s)."""
+    async with emulated_replicas(1) as reps, running_router(
+        [reps[0].url], tls_cert_file=pki.server_cert, tls_key_file=pki.server_key, header_timeout_s=1.0
+    ) as app:
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.port)  # TCP, then silence
+        try:
+            started = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(reader.read(), 15) == b""  # closed by the router
+            assert asyncio.get_running_loop().time() - started < 15
+        finally:
+            writer.close()
+        async with https_client(app.url, pki.ca) as client:  # a client that does finish it is served
+            assert await chat(client)
+
+
 async def test_every_worker_serves_https(pki):
     async with emulated_replicas(1) as reps:
         router = await RouterProcess.start(
