@@ -241,3 +241,20 @@ async def test_an_unreachable_redis_costs_only_the_lookup_across_routers(caplog)
             with pytest.raises(openai.NotFoundError):
                 await client.responses.retrieve("resp_unknown")
     assert any(f"response {made.id!r}: its replica not written to Redis" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_response_whose_replica_is_not_in_the_fleet_is_a_404_saying_so(redis_url, redis_prefix):
+    """Router B's fleet lacks the replica that stored a response router A relayed (it left, as B
+    sees it): B answers 404, naming that replica, and still serves the ids its own replica holds."""
+    async with emulated_replicas(2) as reps:
+        shared = {"redis_url": redis_url, "redis_key_prefix": redis_prefix, "policy": "round_robin"}
+        async with running_router([r.url for r in reps], **shared) as a, running_router([reps[0].url], **shared) as b:
+            made = [await openai_client(a).responses.create(model=MODEL, input=f"Hi {i}.", max_output_tokens=2)
+                    for i in range(2)]  # round robin: one on each replica
+            kept, gone = sorted(made, key=lambda m: _holder(reps, m.id) is not reps[0])
+            assert _holder(reps, kept.id) is reps[0] and _holder(reps, gone.id) is reps[1]
+            assert (await openai_client(b).responses.retrieve(kept.id)).id == kept.id
+            with pytest.raises(openai.NotFoundError) as missing:
+                await openai_client(b).responses.retrieve(gone.id)
+            assert missing.value.body["code"] == "response_not_found"
+            assert f"replica {a.responses.replica_of(gone.id)} stored it and is not in the fleet" in missing.value.body["message"]

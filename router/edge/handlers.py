@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -343,9 +343,9 @@ class Handlers:
             raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id",
                            code="response_not_found")
         if self.fleet.get(name) is None:
-            raise ApiError(404, f"Response with id '{response_id}' not found: replica {name} stored it and has left "
-                           "the fleet (a replica keeps its stored responses in memory)", param="response_id",
-                           code="response_not_found")
+            raise ApiError(404, f"Response with id '{response_id}' not found: replica {name} stored it and is not in "
+                           "the fleet (a replica keeps its stored responses in memory: gone with it)",
+                           param="response_id", code="response_not_found")
         return None, [name]
 
     def _passthrough_replicas(self, model: Any) -> tuple[str, list[Replica]]:
