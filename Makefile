@@ -53,6 +53,14 @@ test-lowest: install
 demo: install
 	$(BIN)/kvroute demo
 
+# The install from a built wheel, as a user does it: `pip wheel --no-deps -w build/wheel .`, a fresh
+# virtualenv outside the checkout with deploy/requirements.lock's dependencies and the wheel, then
+# `kvroute demo` (its quickest mode) from there, on the package's own tokenizer (~30 s;
+# scripts/wheel-demo.sh, tests/test_packaging.py runs it).
+.PHONY: wheel-demo
+wheel-demo: install
+	PY=$(abspath $(BIN))/python scripts/wheel-demo.sh build/wheel
+
 sim: install
 	$(BIN)/kvroute sim --workload sessions --replicas 8 --policy all
 

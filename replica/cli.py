@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall seconds per emulated second: 0.1 runs 10x faster, 0 answers at once")
     p.add_argument("--default-max-tokens", type=int, default=16,
                    help="output length of chat requests that set no max_tokens (they finish with 'stop')")
+    tls = p.add_argument_group("HTTPS of the emulated replica (vLLM's flag names)")
+    tls.add_argument("--ssl-certfile", metavar="FILE", default=None, help="PEM certificate: serve HTTPS")
+    tls.add_argument("--ssl-keyfile", metavar="FILE", default=None, help="PEM private key of --ssl-certfile")
+    tls.add_argument("--ssl-ca-certs", metavar="FILE", default=None, help="PEM CA bundle of client certificates")
+    tls.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
+                     help="client certificate: 0 none, 1 optional, 2 required (mTLS); default 0")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="log lines: text, or json (one object per line: ts, level, logger, msg and the fields)")
@@ -178,7 +184,7 @@ def _emulated_record(replica: Any, args: argparse.Namespace) -> Any:
     host = advertised_host(args.host, args.advertise_host)
     url_host = f"[{host}]" if ":" in host else host
     return ReplicaRecord(
-        url=f"http://{url_host}:{replica.port}",
+        url=f"{replica.url.split(':', 1)[0]}://{url_host}:{replica.port}",  # http, or https with --ssl-certfile
         name=args.name or "",
         model=replica.model,
         events_endpoint=_advertised(args.events_endpoint, replica.events_endpoint, host),
@@ -289,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
         events_endpoint=args.events_endpoint, replay_endpoint=args.replay_endpoint, events_topic=args.events_topic,
         api_key=args.api_key, time_scale=args.time_scale, default_max_tokens=args.default_max_tokens,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     try:
         import uvloop

@@ -3,6 +3,7 @@
 Endpoints
     POST /v1/completions, /v1/chat/completions   routed (cache-aware), streamed or not
     POST /v1/responses                           routed as a chat (common/responses.py)
+    GET  /v1/responses/{id}, POST .../{id}/cancel to the replica that stored the id
     POST /v1/embeddings, /tokenize, /detokenize  passed to a replica serving the body's model
     GET  /v1/models, /v1/models/{id}             the union of the fleet's models
     GET  /health                                 the process is alive (200; with health_requires_replica,
@@ -22,11 +23,13 @@ requests in flight finish (up to ``drain_timeout_s``).
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Iterable
 
 from aiohttp import web
 
 from kvroute.common.errors import error_middleware
+from kvroute.common.tls import client_context, server_context
 from kvroute.common.tokens import ClientTemplates, TokenizerRegistry
 from kvroute.common.tokens.memory import keep_large_buffers_mapped
 
@@ -38,7 +41,7 @@ from kvroute.router.edge.cutoff import RequestCutoff
 from kvroute.router.edge.handlers import Handlers, know_models, replica_status
 from kvroute.router.edge.request_id import request_id_middleware, request_id_of
 from kvroute.router.edge.connections import ConnectionMetrics, connection_cap, open_file_limit
-from kvroute.router.edge.server import ClientAppRunner, ClientLimits, announce_close, count_timeouts
+from kvroute.router.edge.server import ClientAppRunner, ClientLimits, ClientSite, announce_close, count_timeouts
 from kvroute.router.fleet.engine_counters import EngineCacheCounters
 from kvroute.router.fleet.kvevents import KVEventSubscriber
 from kvroute.router.fleet.kvevents.metrics import KVEventsStateCollector
@@ -54,6 +57,7 @@ from kvroute.router.placement.policy import make_policy
 from kvroute.router.placement.sequence import Placement
 from kvroute.router.request.accounting import Accounting
 from kvroute.router.request.prompt import PromptBuilder
+from kvroute.router.request.response_homes import ResponseHomes
 from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.router.request.reuse import ReuseTracker
 from kvroute.router.request.route import Router
@@ -81,6 +85,7 @@ class RouterApp:
         s = self.settings
         keep_large_buffers_mapped()  # a huge request's buffers go back to the OS once freed
         self.timeouts = Timeouts(s.connect_timeout_s, s.first_byte_timeout_s, s.idle_timeout_s)
+        listener_tls, upstream_tls = self._tls_contexts()  # first: a bad file stops the router before anything runs
         client_templates = None
         if s.allow_client_chat_template:
             client_templates = ClientTemplates(
@@ -93,8 +98,8 @@ class RouterApp:
         if client_templates is not None:
             client_templates.start()  # in the background: an interpreter per worker
         self.policy = make_policy(s.policy, **s.policy_options)
-        self.session = make_upstream_session(self.timeouts)  # the fleet's probes and scrapes
-        self.upstream = make_upstream_pool(self.timeouts)  # proxied requests
+        self.session = make_upstream_session(self.timeouts, upstream_tls)  # the fleet's probes and scrapes
+        self.upstream = make_upstream_pool(self.timeouts, upstream_tls, s.fleet.replica_server_name)  # proxied requests
         self.index = self._make_index()
         self.load = LoadTracker()
         self.metrics = RouterMetrics(self.policy.name, self.policy.reasons, s.max_client_labels)
@@ -116,6 +121,10 @@ class RouterApp:
             self.worker_metrics = WorkerMetrics(self.metrics.publish, restarted=self._worker.restarted)
         self.reuse = ReuseTracker(window_blocks=s.reuse_window_blocks)
         self.responses = ResponseMemory(int(s.responses_memory_mb * 2**20))
+        self.response_homes = ResponseHomes(  # shared through Redis when there is one
+            self.responses, s.redis_url, key_prefix=s.redis_key_prefix, ttl_s=s.responses_ttl_s,
+            timeout_s=5 * s.index_timeout_s,
+        )
         # the index client bounds the lookup by index_timeout_s and writes predictions behind the answer
         self.placement = Placement(self.policy, self.index_client, self.load)
         prompts = PromptBuilder(self.tokenizers, want_text=self.policy.needs_text)
@@ -140,6 +149,7 @@ class RouterApp:
             fleet=self.fleet,
             load=self.load,
             responses=self.responses,
+            response_homes=self.response_homes,
             index=self.index_client,
             metrics=self.metrics,
             peers=self._worker,
@@ -184,8 +194,9 @@ class RouterApp:
             )
             await self._runner.setup()
             # several workers listen on one port: the kernel spreads connections over them
-            site = web.TCPSite(
-                self._runner, s.host, s.port, backlog=s.listen_backlog, reuse_port=self._worker is not None or None
+            site = ClientSite(
+                self._runner, s.host, s.port, backlog=s.listen_backlog, reuse_port=self._worker is not None or None,
+                ssl_context=listener_tls, handshake_timeout_s=s.header_timeout_s or None,
             )
             await site.start()
             if self.worker_metrics is not None:
@@ -196,6 +207,16 @@ class RouterApp:
         self._port = self._runner.addresses[0][1]
         log.info("router listening on %s (policy %s, index %s); client connections capped at %d (open-file limit %d)",
                  self.url, self.policy.name, type(self.index).__name__, cap, open_files)
+
+    def _tls_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+        """The listener's (``tls_cert_file``) and the one for https replicas (the fleet's CA bundle,
+        client certificate); None: plain HTTP, and the system's CAs for https replicas."""
+        s, f = self.settings, self.settings.fleet
+        listener = server_context(s.tls_cert_file, s.tls_key_file) if s.tls_cert_file and s.tls_key_file else None
+        upstream = None
+        if f.replica_ca_file or f.replica_client_cert_file:
+            upstream = client_context(f.replica_ca_file, f.replica_client_cert_file, f.replica_client_key_file)
+        return listener, upstream
 
     def _make_index(self) -> PrefixIndex:
         s = self.settings
@@ -221,7 +242,8 @@ class RouterApp:
     def url(self) -> str:
         host = self.settings.host
         host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        scheme = "https" if self.settings.tls_cert_file else "http"
+        return f"{scheme}://[{host}]:{self.port}" if ":" in host else f"{scheme}://{host}:{self.port}"
 
     @property
     def in_flight(self) -> int:
@@ -249,6 +271,7 @@ class RouterApp:
         await self.session.close()
         await self.upstream.close()
         await self.index.close()
+        await self.response_homes.close()
         await self.tokenizers.aclose()
 
     async def __aenter__(self) -> RouterApp:

@@ -113,6 +113,13 @@ class RouterSettings(BaseSettings):
         "kernel caps it at net.core.somaxconn); a burst larger than this, on a busy router, waits for TCP's SYN "
         "retransmits (1 s, 3 s, 7 s)"
     )
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate (with its chain) of the listener: the router serves HTTPS (needs "
+        "tls_key_file); every worker of --workers N too", json_schema_extra=_hint("FILE"),
+    )
+    tls_key_file: Path | None = Field(
+        None, description="PEM private key of tls_cert_file", json_schema_extra=_hint("FILE")
+    )
     workers: int = Field(
         1, ge=1, description="router processes sharing the port (SO_REUSEPORT), each a whole router; 'auto': one "
         "per usable core (CPU affinity, at most the cgroup CPU quota)"
@@ -157,6 +164,10 @@ class RouterSettings(BaseSettings):
         64.0, gt=0, description="memory of /v1/responses conversations (response id -> replica, session, the "
         "messages the next turn renders), MB of text, least recently used forgotten first",
         json_schema_extra=_hint("MB"),
+    )
+    responses_ttl_s: float = Field(
+        86400.0, gt=0, description="with redis_url: life of a stored response's 'id -> replica' entry in Redis, "
+        "through which every router and worker finds the replica of a previous_response_id, a GET or a cancel"
     )
 
     # -- limits ----------------------------------------------------------------------------
@@ -260,7 +271,8 @@ class RouterSettings(BaseSettings):
             return usable_cores()
         return value
 
-    @field_validator("admin_token", "tenant_salt_secret", "tokenizer", "redis_url", mode="before")
+    @field_validator("admin_token", "tenant_salt_secret", "tokenizer", "redis_url", "tls_cert_file", "tls_key_file",
+                     mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         # `KVROUTE_ADMIN_TOKEN=` (an empty variable, as compose files pass them) means "not set"
@@ -270,6 +282,12 @@ class RouterSettings(BaseSettings):
     def _one_port(self) -> RouterSettings:
         if self.workers > 1 and self.port == 0:
             raise ValueError("port 0 with several workers: each would listen on a different free port; name one")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> RouterSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both to serve HTTPS, or neither")
         return self
 
     @model_validator(mode="after")

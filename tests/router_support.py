@@ -270,7 +270,7 @@ class RouterProcess:
             await proc.wait()
             raise
         url = line.rsplit(" ", 1)[-1].strip()
-        if not url.startswith("http://"):
+        if not url.startswith(("http://", "https://")):
             proc.kill()
             await proc.wait()
             raise RuntimeError(f"router process did not start: {line!r}")

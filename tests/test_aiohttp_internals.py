@@ -78,7 +78,8 @@ def used_members() -> dict[str, set[str]]:
     server = {a for a in attributes(classes["_ClientServer"], "self") if a not in own(classes["_ClientServer"])}
     server |= attributes(classes["ClientAppRunner"], "server")
     runner = attributes(classes["ClientAppRunner"], "super()")
-    return {"handler": handler, "server": server, "runner": runner}
+    site = {a for a in attributes(classes["ClientSite"], "self") if a not in own(classes["ClientSite"])}
+    return {"handler": handler, "server": server, "runner": runner, "site": site}
 
 
 def missing_members(obj: object, names: set[str]) -> set[str]:
@@ -94,6 +95,23 @@ def test_the_members_the_router_uses_are_found():
     assert {"_limits", "_head_timer", "_body", "close_after", "linger", "_book", "evict"}.isdisjoint(used["handler"])
     assert {"_loop", "_kwargs", "request_handler", "request_factory", "handler_cancellation"} <= used["server"]
     assert used["runner"] == {"__init__", "_make_server"}
+    assert {"_ssl_context", "_runner", "_host", "_port", "_backlog", "_reuse_address", "_reuse_port", "_server",
+            "_bound_port"} <= used["site"]
+
+
+async def test_a_real_tcp_site_has_every_member_the_router_uses():
+    """``ClientSite.start`` does what ``TCPSite.start`` does, with the TLS handshake's bound: the
+    members it reads, and ``loop.create_server``'s parameters it passes, are still there."""
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=None, backlog=16, reuse_port=None)
+        assert missing_members(site, used_members()["site"]) == set(), f"aiohttp {aiohttp.__version__}: TCPSite moved"
+        assert (site._host, site._port, site._backlog, site._server) == ("127.0.0.1", 0, 16, None)  # noqa: SLF001
+        assert [n for n, _ in parameters(web.TCPSite.__init__)][:4] == ["self", "runner", "host", "port"]
+    finally:
+        await runner.cleanup()
+    assert "ssl_handshake_timeout" in inspect.signature(asyncio.get_running_loop().create_server).parameters
 
 
 def test_the_check_reports_a_member_that_is_gone():

@@ -1384,3 +1384,64 @@ def test_the_network_policy_check_refuses_what_no_rule_admits():
     assert not admitted([policy], {"a": "1"}, "x", {"b": "3"})
     assert not admitted([policy], {"a": "1"}, "x", {"b": "2"}, namespace="other")
     assert admitted([policy], {"a": "2"}, "y", {})  # not selected: open
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS: the router's listener, https replicas
+
+
+def test_chart_tls_mounts_the_secrets_and_sets_the_router_settings(monkeypatch):
+    from kvroute.router.config import load_settings
+
+    kinds = helm_template_values(CI_VALUES["tls"])
+    pod = router_of(kinds)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    env = env_of(c)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    for path, secret in (("/etc/kvroute/tls", "kvroute-router-tls"), ("/etc/kvroute/replica-tls", "kvroute-to-vllm-tls")):
+        assert mounts[path]["readOnly"] is True
+        assert volumes[mounts[path]["name"]]["secret"] == {"secretName": secret}
+    files = [env[k] for k in ("KVROUTE_TLS_CERT_FILE", "KVROUTE_TLS_KEY_FILE", "KVROUTE_FLEET__REPLICA_CA_FILE",
+                              "KVROUTE_FLEET__REPLICA_CLIENT_CERT_FILE", "KVROUTE_FLEET__REPLICA_CLIENT_KEY_FILE")]
+    assert all(any(f.startswith(p + "/") for p in mounts) for f in files)
+    # the variables are the router's own settings
+    for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        if isinstance(value, str):
+            monkeypatch.setenv(key, value)
+    settings = load_settings([])
+    assert str(settings.tls_cert_file) == "/etc/kvroute/tls/tls.crt" and str(settings.tls_key_file) == "/etc/kvroute/tls/tls.key"
+    f = settings.fleet
+    assert str(f.replica_ca_file) == "/etc/kvroute/replica-tls/ca.crt" and f.replica_server_name == "vllm.inference.svc"
+    assert str(f.replica_client_cert_file) == "/etc/kvroute/replica-tls/tls.crt"
+    assert f.dns_scheme == "https" and f.k8s_scheme == "https"
+    # the kubelet's probes and Prometheus speak HTTPS to it
+    assert all(c[p]["httpGet"]["scheme"] == "HTTPS" for p in ("livenessProbe", "readinessProbe", "startupProbe"))
+    (monitor,) = kinds["ServiceMonitor"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {"ca": {"secret": {"name": "kvroute-router-tls", "key": "ca.crt"}},
+                                     "serverName": "rel-kvroute-router.llm.svc"}
+
+
+def test_chart_notes_say_how_to_call_an_https_router(tmp_path):
+    notes = chart_notes(tmp_path, values=CI_VALUES["tls"])
+    assert "--cacert ca.crt --resolve rel-kvroute-router.llm.svc:8000:127.0.0.1" in notes
+    assert "curl https://rel-kvroute-router.llm.svc:8000/v1/models" in notes and "http://127.0.0.1" not in notes
+    assert "curl http://127.0.0.1:8000/v1/models" in chart_notes(tmp_path)
+
+
+def test_chart_without_tls_serves_plain_http():
+    kinds = by_kind(helm_template("metrics.serviceMonitor.enabled=true"))
+    c = router_of(kinds)["spec"]["template"]["spec"]["containers"][0]
+    assert not {k for k in env_of(c) if "TLS" in k or "SCHEME" in k or "CA_FILE" in k}
+    assert all("scheme" not in c[p]["httpGet"] for p in ("livenessProbe", "readinessProbe", "startupProbe"))
+    assert all("tlsConfig" not in e for m in kinds["ServiceMonitor"] for e in m["spec"]["endpoints"])
+    assert not [m for m in c["volumeMounts"] if "tls" in m["name"]]
+    # without a client certificate only the CA is mounted and set
+    values = ("replica.enabled=false", "router.discovery.dnsName=vllm:8000", "router.replicaTls.secretName=vllm-ca")
+    env = env_of(router_of(by_kind(helm_template(*values)))["spec"]["template"]["spec"]["containers"][0])
+    assert env["KVROUTE_FLEET__REPLICA_CA_FILE"] == "/etc/kvroute/replica-tls/ca.crt"
+    assert not {"KVROUTE_FLEET__REPLICA_CLIENT_CERT_FILE", "KVROUTE_FLEET__REPLICA_SERVER_NAME"} & set(env)

@@ -15,10 +15,13 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from importlib import metadata
@@ -189,6 +192,20 @@ def test_the_wheel_carries_the_licence_and_its_metadata(installed):
     assert not [c for c in classifiers if c.startswith("License ::")]  # superseded by License-Expression
     assert meta["Author"] == "kvroute maintainers"
     assert {"vllm", "router"} <= set(meta["Keywords"].split(","))
+
+
+def test_the_wheel_demo_installs_the_lock_and_the_wheel_outside_the_checkout(tmp_path):
+    """`make wheel-demo` (scripts/wheel-demo.sh) as a user runs it: `pip wheel --no-deps`, a fresh
+    virtualenv in a temporary directory with the lock's dependencies (hashes required) and the
+    wheel, `pip check`, then `kvroute demo` from there; the temporary directory is gone after."""
+    before = set(Path(tempfile.gettempdir()).glob("kvroute-wheel.*"))
+    done = subprocess.run([str(REPO / "scripts" / "wheel-demo.sh"), str(tmp_path / "wheel")], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env=os.environ | {"PY": sys.executable})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"kvroute {metadata.version('kvroute')}" in done.stdout
+    assert re.search(r"kvroute demo from the installed wheel: [1-9]\d* requests, all served under each policy", done.stdout)
+    assert [p.name for p in (tmp_path / "wheel").iterdir()] == [f"kvroute-{metadata.version('kvroute')}-py3-none-any.whl"]
+    assert set(Path(tempfile.gettempdir()).glob("kvroute-wheel.*")) == before
 
 
 # ---------------------------------------------------------------------------------------------

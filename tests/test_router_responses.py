@@ -166,3 +166,95 @@ async def test_the_emulated_replica_stores_only_what_it_is_asked_to():
             assert follow.usage.input_tokens > kept.usage.input_tokens
             with pytest.raises(openai.NotFoundError):
                 await client.responses.create(model=MODEL, input="And?", previous_response_id=dropped.id)
+
+
+async def test_the_emulated_replica_retrieves_and_refuses_to_cancel_as_vllm_does():
+    async with emulated_replicas(1) as (rep,):
+        async with openai.AsyncOpenAI(base_url=rep.url + "/v1", api_key="x", max_retries=0) as client:
+            made = await client.responses.create(model=MODEL, input="Keep this.", max_output_tokens=2)
+            got = await client.responses.retrieve(made.id)
+            assert got.id == made.id and got.output_text == made.output_text and got.status == "completed"
+            with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+                await client.responses.cancel(made.id)  # vLLM cancels only background responses in progress
+            for call in (client.responses.retrieve, client.responses.cancel):
+                with pytest.raises(openai.NotFoundError, match="resp_nope"):
+                    await call("resp_nope")
+
+
+async def test_a_response_is_retrieved_cancelled_and_continued_through_another_router(redis_url, redis_prefix):
+    """Router A relays the responses; router B, sharing only Redis with A, finds the replica of each
+    id for a GET, a cancel and a previous_response_id.  round_robin sends a request without a pin
+    to each replica in turn, where the id is unknown (404): three conversations all landing right
+    by chance would be 1 in 27."""
+    async with emulated_replicas(3) as reps:
+        urls = [r.url for r in reps]
+        shared = {"redis_url": redis_url, "redis_key_prefix": redis_prefix, "policy": "round_robin"}
+        async with running_router(urls, **shared) as a, running_router(urls, **shared) as b:
+            via_a, via_b = openai_client(a), openai_client(b)
+            for conversation in range(3):
+                made = await via_a.responses.create(model=MODEL, input=f"Conversation {conversation}.",
+                                                    max_output_tokens=3)
+                holder = _holder(reps, made.id)
+                got = await via_b.responses.retrieve(made.id)
+                assert got.id == made.id and got.output_text == made.output_text
+                with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+                    await via_b.responses.cancel(made.id)  # reached the holder: any other replica says 404
+                follow = await via_b.responses.create(model=MODEL, input="Go on.", max_output_tokens=3,
+                                                      previous_response_id=made.id)
+                assert _holder(reps, follow.id) is holder
+                assert (await via_a.responses.retrieve(follow.id)).output_text == follow.output_text
+
+            with pytest.raises(openai.NotFoundError) as unknown:
+                await via_b.responses.retrieve("resp_never_made")
+            assert unknown.value.body == {"message": "Response with id 'resp_never_made' not found.",
+                                          "type": "not_found_error", "param": "response_id",
+                                          "code": "response_not_found"}
+
+            await holder.stop()  # the storing replica is down (still in the fleet): a 502 saying so
+            with pytest.raises(openai.InternalServerError) as down:
+                await via_b.responses.retrieve(follow.id)
+            assert down.value.status_code == 502 and down.value.body["code"] == "upstream_unavailable"
+
+
+async def test_without_redis_another_router_does_not_know_the_id():
+    async with emulated_replicas(2) as reps:
+        urls = [r.url for r in reps]
+        async with running_router(urls) as a, running_router(urls) as b:
+            made = await openai_client(a).responses.create(model=MODEL, input="Hello.", max_output_tokens=2)
+            assert (await openai_client(a).responses.retrieve(made.id)).id == made.id
+            with pytest.raises(openai.NotFoundError):
+                await openai_client(b).responses.retrieve(made.id)
+
+
+async def test_an_unreachable_redis_costs_only_the_lookup_across_routers(caplog):
+    from tests.conftest import free_port
+
+    async with emulated_replicas(2) as reps:
+        dead = f"redis://127.0.0.1:{free_port()}/0"
+        async with running_router([r.url for r in reps], redis_url=dead, index_timeout_s=0.2) as app:
+            client = openai_client(app)
+            made = await client.responses.create(model=MODEL, input="Hello.", max_output_tokens=2)
+            follow = await client.responses.create(model=MODEL, input="More.", max_output_tokens=2,
+                                                   previous_response_id=made.id)
+            assert _holder(reps, follow.id) is _holder(reps, made.id)
+            assert (await client.responses.retrieve(made.id)).id == made.id  # this router's own memory
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve("resp_unknown")
+    assert any(f"response {made.id!r}: its replica not written to Redis" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_response_whose_replica_is_not_in_the_fleet_is_a_404_saying_so(redis_url, redis_prefix):
+    """Router B's fleet lacks the replica that stored a response router A relayed (it left, as B
+    sees it): B answers 404, naming that replica, and still serves the ids its own replica holds."""
+    async with emulated_replicas(2) as reps:
+        shared = {"redis_url": redis_url, "redis_key_prefix": redis_prefix, "policy": "round_robin"}
+        async with running_router([r.url for r in reps], **shared) as a, running_router([reps[0].url], **shared) as b:
+            made = [await openai_client(a).responses.create(model=MODEL, input=f"Hi {i}.", max_output_tokens=2)
+                    for i in range(2)]  # round robin: one on each replica
+            kept, gone = sorted(made, key=lambda m: _holder(reps, m.id) is not reps[0])
+            assert _holder(reps, kept.id) is reps[0] and _holder(reps, gone.id) is reps[1]
+            assert (await openai_client(b).responses.retrieve(kept.id)).id == kept.id
+            with pytest.raises(openai.NotFoundError) as missing:
+                await openai_client(b).responses.retrieve(gone.id)
+            assert missing.value.body["code"] == "response_not_found"
+            assert f"replica {a.responses.replica_of(gone.id)} stored it and is not in the fleet" in missing.value.body["message"]

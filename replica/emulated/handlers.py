@@ -34,7 +34,7 @@ from kvroute.replica.emulated.vllm_protocol import (SSE_DONE, ChatShapes, Comple
 log = logging.getLogger("kvroute.replica")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
-STORED_RESPONSES = 10_000  # /v1/responses conversations kept for previous_response_id (oldest dropped)
+STORED_RESPONSES = 10_000  # /v1/responses kept for previous_response_id and GET (oldest dropped)
 REQUEST_ID = web.RequestKey("request_id", str)  # the id a response echoes in X-Request-Id
 
 
@@ -47,6 +47,15 @@ class _Parsed:
     continuous_usage: bool
     base_id: str  # X-Request-Id, or a fresh uuid: response ids are cmpl-<it> / chatcmpl-<it>
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    """What vLLM's response store keeps of one response: the messages a request continuing it
+    starts with, and the response object ``GET /v1/responses/{id}`` answers."""
+
+    messages: list[dict[str, Any]]
+    response: dict[str, Any]
 
 
 class ReplicaHandlers:
@@ -65,14 +74,16 @@ class ReplicaHandlers:
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
         self.started_at = started_at
-        # response id -> the messages a request continuing it starts with (vLLM's store, bounded here)
-        self.stored_responses: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        # response id -> what vLLM's store keeps of it (in this process's memory; bounded here)
+        self.stored_responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware, self._auth_middleware], client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/responses", self._responses)
+        app.router.add_get("/v1/responses/{response_id}", self._retrieve_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self._cancel_response)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -192,7 +203,7 @@ class ReplicaHandlers:
             if stored is None:
                 raise ReplicaError(404, f"Response with id '{req.previous_response_id}' not found.",
                                    type="invalid_request_error")
-            history = stored
+            history = stored.messages
         messages = chat_messages(req.instructions, history, input_messages(body))
         ids = await self._encode_chat({"messages": messages})
         max_tokens, reason = self._max_tokens(req.max_output_tokens, len(ids), self.default_max_tokens, "stop")
@@ -213,15 +224,34 @@ class ReplicaHandlers:
         assert state is not None
         text = self.filler.text(len(state.prompt_ids), 0, state.generated)
         stats = response_usage(len(state.prompt_ids), state.generated, state.cached_tokens)
+        answer = shapes.response("completed", text, stats)
         if req.store is not False:
-            self.stored_responses[shapes.id] = [*messages, {"role": "assistant", "content": text}]
+            self.stored_responses[shapes.id] = StoredResponse([*messages, {"role": "assistant", "content": text}], answer)
             while len(self.stored_responses) > STORED_RESPONSES:
                 self.stored_responses.popitem(last=False)
         if resp is None:
-            return web.Response(text=dumps(shapes.response("completed", text, stats)), content_type="application/json")
+            return web.Response(text=dumps(answer), content_type="application/json")
         await resp.write(shapes.closing(text, stats))
         await resp.write_eof()
         return resp
+
+    def _stored(self, request: web.Request) -> StoredResponse:
+        response_id = request.match_info["response_id"]
+        stored = self.stored_responses.get(response_id)
+        if stored is None:
+            raise ReplicaError(404, f"Response with id '{response_id}' not found.", type="invalid_request_error")
+        return stored
+
+    async def _retrieve_response(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /v1/responses/{id}``: the stored response object, or 404 with vLLM's message."""
+        return web.Response(text=dumps(self._stored(request).response), content_type="application/json")
+
+    async def _cancel_response(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/responses/{id}/cancel``: only a background response still queued or in
+        progress can be cancelled; this replica stores responses once complete (it has no
+        ``background`` mode), so a stored one gets vLLM's 400, an unknown one its 404."""
+        self._stored(request)
+        raise ReplicaError(400, "Cannot cancel a synchronous response.", type="invalid_request_error")
 
     async def _encode_chat(self, body: dict[str, Any]) -> list[int]:
         """The chat's prompt ids, rendered as vLLM renders it: tools, documents and template

@@ -18,6 +18,7 @@ ZMQ sockets (``EmulatedReplica(config)``, ``await start()``, ``url``, ``await st
 
 from __future__ import annotations
 
+import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvroute.replica.assets import TINY_TOKENIZER
+from kvroute.common.tls import server_context
 from kvroute.common.tokens import Tokenizer
 
 from kvroute.replica.emulated.driver import EngineDriver, VirtualClock
@@ -60,6 +62,23 @@ class ReplicaConfig:
     api_key: str | None = None
     time_scale: float = 1.0
     default_max_tokens: int = 16  # chat requests without max_tokens "stop" after this many tokens
+    # HTTPS, with vLLM's flag names (--ssl-certfile, --ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs:
+    # 0 no client certificate, 1 optional, 2 required, as the ssl module's CERT_* values)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+
+    def tls(self) -> ssl.SSLContext | None:
+        """The listener's TLS context (None: plain HTTP); a bad file raises a ValueError naming it."""
+        if not self.ssl_certfile and not self.ssl_keyfile:
+            return None
+        if not (self.ssl_certfile and self.ssl_keyfile):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        return server_context(Path(self.ssl_certfile), Path(self.ssl_keyfile),
+                              client_ca=Path(self.ssl_ca_certs) if self.ssl_ca_certs else None,
+                              require_client_cert=self.ssl_cert_reqs == ssl.CERT_REQUIRED,
+                              names=("--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs"))
 
     def timing_profile(self) -> TimingProfile:
         if self.profile not in PROFILES:
@@ -120,17 +139,18 @@ class EmulatedReplica:
         await self._runner.setup()
         # a router opens its upstream connections in bursts (one per request when its pool is empty):
         # aiohttp's default backlog of 128 drops SYNs of such a burst, each then waits 1 s or more
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=4096)
         try:
+            tls = self.config.tls()
+            site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=4096, ssl_context=tls)
             await site.start()
-        except OSError:
+        except (OSError, ValueError):  # a port in use, a TLS file that cannot be used
             await self._runner.cleanup()
             if self.publisher is not None:
                 await self.publisher.close()
             raise
         self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the bound port (0 asked for any)
         host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        self.url = f"http://{host}:{self.port}"
+        self.url = f"{'https' if tls is not None else 'http'}://{host}:{self.port}"
         self.started_at = time.time()
         self.driver.start(name=f"replica-driver-{self.port}")
 

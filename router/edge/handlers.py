@@ -1,6 +1,9 @@
 """The API's handlers: each request flows down through them and its results come back as values
 (docs/design.md §1 follows one streamed chat request through every module).
 
+A request about a stored response (``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``)
+goes to the replica that stored it (router/request/response_homes.py), like a pass-through.
+
 A routed request (``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``):
 admission (key, body, in-flight slot) -> the request layer's :class:`Router` (a frozen
 :class:`Route`) -> the forwarding's :class:`Proxy` (``open``: :class:`Opened`, or
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, Protocol
 
@@ -39,6 +43,7 @@ from kvroute.router.index.client import IndexClient
 from kvroute.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvroute.router.placement.load import LoadTracker
 from kvroute.router.request.accounting import Accounting
+from kvroute.router.request.response_homes import ResponseHomes
 from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.router.request.route import Route, Router
 
@@ -95,6 +100,7 @@ class Handlers:
         fleet: Fleet,
         load: LoadTracker,
         responses: ResponseMemory,
+        response_homes: ResponseHomes,
         index: IndexClient,
         metrics: RouterMetrics,
         peers: Peers | None,
@@ -109,6 +115,7 @@ class Handlers:
         self.fleet = fleet
         self.load = load
         self.responses = responses
+        self.response_homes = response_homes
         self.index = index
         self.metrics = metrics
         self.peers = peers  # one of --workers N (router/workers.py), or None: the only process
@@ -117,6 +124,8 @@ class Handlers:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/responses", self.responses_api)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
         for path in ("/v1/embeddings", "/tokenize", "/detokenize"):
             app.router.add_post(path, self.passthrough)
         app.router.add_get("/v1/models", self.models)
@@ -188,6 +197,9 @@ class Handlers:
             session, pin = request.headers.get("X-Session-ID"), None
             if kind == "responses":  # previous_response_id: its conversation, and the replica storing it
                 conversation, pin = self.responses.prepare(parsed)  # type: ignore[arg-type]
+                previous = parsed.body.get("previous_response_id")
+                if pin is None and previous is not None:  # relayed by another router or worker?
+                    pin = await self.response_homes.find(previous)
                 session = session or conversation
             route = await self.router.route(parsed, request_id=rid, session_header=session, api_key=api_key, pin=pin)
         except (ApiError, web.HTTPException) as exc:
@@ -251,6 +263,8 @@ class Handlers:
             if kind == "responses" and relayed.answer is not None:
                 # its id is remembered before the client can send the next turn (finish sends it)
                 self.responses.remember(parsed, opened.replica, relayed.answer, session or parsed.request.user)  # type: ignore[arg-type]
+                if isinstance(relayed.answer.get("id"), str):
+                    await self.response_homes.record(relayed.answer["id"], opened.replica)
             await self.proxy.finish(relayed)
             return answered(relayed.response, ended(relayed.status))
         except ApiError as exc:
@@ -264,6 +278,17 @@ class Handlers:
 
     # -- pass-through -------------------------------------------------------------------------
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/embeddings``, ``/tokenize``, ``/detokenize``: a replica serving the body's model."""
+        return await self._pass(request, self._passthrough_order)
+
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}`` and ``POST .../cancel``: the replica that stored the id."""
+        return await self._pass(request, self._response_home)
+
+    async def _pass(
+        self, request: web.Request, order_of: Callable[[web.Request, bytes], Awaitable[tuple[str | None, list[str]]]]
+    ) -> web.StreamResponse:
+        """Forwarded as it came (method, path and query, body) to the replicas ``order_of`` names, in turn."""
         self.admission.check_client(request)
         raw = await self.bodies.read(request)
         self.admission.admit()
@@ -279,14 +304,12 @@ class Handlers:
             return Exchange(model, None, Outcome(replica=replica, status=status, usage=usage, attempts=attempts))
 
         try:
-            body = decode_json_object(raw)
-            model, replicas = self._passthrough_replicas(body.get("model"))
-            order = self.fleet.claim_in_order([r.name for r in replicas], 1 + self.settings.retry_attempts)
+            model, order = await order_of(request, raw)
             failure: Unanswered | None = None
             for name in order:  # no routing: tried in order
                 attempts, replica = attempts + 1, name  # counted while in flight, as sent
-                attempt = await self.proxy.open(name, self._url(name), request.path, raw, request_id=request[REQUEST_ID],
-                                                stream=False)
+                attempt = await self.proxy.open(name, self._url(name), request.raw_path, raw,
+                                                request_id=request[REQUEST_ID], stream=False, method=request.method)
                 if isinstance(attempt, Unanswered):
                     failure = attempt
                     self._replica_failed(name, attempt.stage, attempt.replica_status)
@@ -306,6 +329,24 @@ class Handlers:
         finally:
             self.metrics.requests.labels(model or "unknown", replica or "none", str(status)).inc()
             self.admission.release()
+
+    async def _passthrough_order(self, request: web.Request, raw: bytes) -> tuple[str | None, list[str]]:
+        model, replicas = self._passthrough_replicas(decode_json_object(raw).get("model"))
+        return model, self.fleet.claim_in_order([r.name for r in replicas], 1 + self.settings.retry_attempts)
+
+    async def _response_home(self, request: web.Request, raw: bytes) -> tuple[str | None, list[str]]:
+        """The replica that stored the id: vLLM keeps a response in that process's memory, so no
+        other replica has it (404 when no router relayed it, or its replica left the fleet)."""
+        response_id = request.match_info["response_id"]
+        name = await self.response_homes.find(response_id)
+        if name is None:
+            raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                           code="response_not_found")
+        if self.fleet.get(name) is None:
+            raise ApiError(404, f"Response with id '{response_id}' not found: replica {name} stored it and is not in "
+                           "the fleet (a replica keeps its stored responses in memory: gone with it)",
+                           param="response_id", code="response_not_found")
+        return None, [name]
 
     def _passthrough_replicas(self, model: Any) -> tuple[str, list[Replica]]:
         """The model (the only one served, when the body names none) and its replicas, least loaded first."""

@@ -429,3 +429,31 @@ class ClientAppRunner(web.AppRunner):
             limits=self._limits,
             **server._kwargs,  # noqa: SLF001 - the handler options aiohttp assembled
         )
+
+
+class ClientSite(web.TCPSite):
+    """aiohttp's TCP site, with the TLS handshake bounded by ``handshake_timeout_s`` (the header
+    timeout): asyncio gives a handshake 60 s, and :class:`ClientHandler`'s header timeout starts only
+    once it is done (the protocol sees the connection then), so a client that opens TLS connections
+    and never finishes a handshake would hold each socket for a minute.  Plain HTTP: TCPSite's own."""
+
+    __slots__ = ("handshake_timeout_s",)
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, handshake_timeout_s: float | None,
+                 **kwargs: Any):
+        super().__init__(runner, host, port, **kwargs)
+        self.handshake_timeout_s = handshake_timeout_s
+
+    async def start(self) -> None:
+        if self._ssl_context is None or self.handshake_timeout_s is None:
+            await super().start()
+            return
+        await web.BaseSite.start(self)  # as TCPSite.start, with the handshake's bound
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+            ssl_handshake_timeout=self.handshake_timeout_s,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port

@@ -48,7 +48,7 @@ from kvroute.router.fleet.discovery import (
     StaticSource,
     entry_url,
 )
-from kvroute.router.fleet.probes import AuthRefused, ReplicaProbes
+from kvroute.router.fleet.probes import AuthRefused, ReplicaProbes, TlsFailed
 from kvroute.router.fleet.settings import FleetSettings
 
 log = logging.getLogger("kvroute.router.fleet")
@@ -87,7 +87,8 @@ class Fleet:
         self._block_size_warned: set[str] = set()
         self._headers = {"Authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
         self.probes = ReplicaProbes(
-            session, self._headers, health_timeout_s=settings.health_timeout_s, metrics_timeout_s=settings.metrics_timeout_s
+            session, self._headers, health_timeout_s=settings.health_timeout_s, metrics_timeout_s=settings.metrics_timeout_s,
+            has_client_cert=settings.replica_client_cert_file is not None, server_name=settings.replica_server_name,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class Fleet:
             sources.append(
                 K8sSource(
                     s.k8s_selector, namespace=s.k8s_namespace, port_name=s.k8s_port_name, port=s.k8s_port,
-                    timeout_s=s.discovery_timeout_s, metrics=self._discovery_metrics,
+                    scheme=s.k8s_scheme, timeout_s=s.discovery_timeout_s, metrics=self._discovery_metrics,
                 )
             )
         return sources
@@ -413,11 +414,28 @@ class Fleet:
         """Replicas refusing the router's API key: the models they serve are unknown to the router."""
         return [r for r in self._replicas.values() if r.auth_refused is not None]
 
+    def tls_failed(self) -> list[Replica]:
+        """Replicas the router cannot talk TLS with: the models they serve are unknown to the router."""
+        return [r for r in self._replicas.values() if r.tls_failed is not None]
+
+    def _report_tls(self, r: Replica, failed: TlsFailed | None) -> None:
+        """A probe's TLS verdict: logged when it starts and when it ends (a configuration error of the
+        router's or the replica's, not a crash: it lasts until someone fixes it)."""
+        if failed is not None and r.tls_failed is None:
+            log.error("replica %s: %s", r.name, failed.reason)
+        elif failed is None and r.tls_failed is not None:
+            log.info("replica %s: TLS works again", r.name)
+        r.tls_failed = failed.reason if failed is not None else None
+
     # -- health -------------------------------------------------------------------------------
     async def _probe(self, r: Replica) -> None:
         health = await self.probes.health(r.url)
         if not self._current(r):
             return
+        if isinstance(health, TlsFailed) or r.tls_failed is not None:
+            self._report_tls(r, health if isinstance(health, TlsFailed) else None)
+            if isinstance(health, TlsFailed):
+                health = "failed"
         if health != "ok":
             r.health_failures += 1
             # A refused connection is conclusive: nothing listens there (crashed, or restarting,

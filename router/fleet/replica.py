@@ -45,6 +45,7 @@ class Replica:
     record: ReplicaRecord | None = None
     health_failures: int = 0  # consecutive
     auth_refused: int | None = None  # the status (401/403) of its last refusal of the router's key; None: accepted
+    tls_failed: str | None = None  # why TLS with it failed at its last health check; None: it did not
     models_read_at: float | None = None
     process_start_time: float | None = None
     scraped_block_size: int | None = None

@@ -3,9 +3,10 @@ their KV events are.  A field of RouterSettings (router/config.py); router/fleet
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvroute.router.fleet.discovery import ReplicaEntry
 from kvroute.router.settings_cli import hint
@@ -52,8 +53,25 @@ class FleetSettings(BaseModel):
     k8s_port: int | None = Field(
         None, gt=0, le=65535, description="port of a pod that has no port of that name", json_schema_extra=hint("PORT")
     )
+    k8s_scheme: Literal["http", "https"] = Field("http", description="scheme of the replicas found in Kubernetes")
     replica_api_key: str | None = Field(
         None, description="sent to replicas as Bearer (not a client key)", json_schema_extra=hint("KEY")
+    )
+    replica_ca_file: Path | None = Field(
+        None, description="PEM CA bundle that https replicas' certificates are verified against (unset: the "
+        "system's CAs)", json_schema_extra=hint("FILE"),
+    )
+    replica_server_name: str | None = Field(
+        None, description="name the https replicas' certificates are checked against (and sent as SNI), in place "
+        "of the host of each replica's URL: one certificate for a fleet found by IP address (DNS, Kubernetes), "
+        "e.g. vllm.llm.svc", json_schema_extra=hint("NAME"),
+    )
+    replica_client_cert_file: Path | None = Field(
+        None, description="PEM client certificate the router presents to https replicas that require one (mTLS)",
+        json_schema_extra=hint("FILE"),
+    )
+    replica_client_key_file: Path | None = Field(
+        None, description="PEM private key of replica_client_cert_file", json_schema_extra=hint("FILE")
     )
     health_interval_s: float = Field(2.0, gt=0, description="seconds between health checks of a replica")
     health_timeout_s: float = Field(1.0, gt=0, description="a health check slower than this failed")
@@ -89,6 +107,18 @@ class FleetSettings(BaseModel):
         10.0, gt=0, description="a followed replica with no KV-event batch and no replay answer for this long is "
         "'silent': routed on predictions until its events arrive"
     )
+
+    @field_validator("replica_ca_file", "replica_client_cert_file", "replica_client_key_file", "replica_server_name",
+                     mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value  # a chart's empty variable
+
+    @model_validator(mode="after")
+    def _client_pair(self) -> FleetSettings:
+        if (self.replica_client_cert_file is None) != (self.replica_client_key_file is None):
+            raise ValueError("fleet.replica_client_cert_file and fleet.replica_client_key_file go together")
+        return self
 
     @field_validator("replicas", mode="before")
     @classmethod

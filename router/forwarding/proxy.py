@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import weakref
 from collections.abc import Mapping
@@ -121,9 +122,13 @@ class Outcome:
     mid_stream_error: str | None = None
 
 
-def make_upstream_session(timeouts: Timeouts) -> aiohttp.ClientSession:
-    """One pooled session for the fleet's probes and scrapes (requests go through ``make_upstream_pool``)."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=60)
+def make_upstream_session(timeouts: Timeouts, tls: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
+    """One pooled session for the fleet's probes and scrapes (requests go through ``make_upstream_pool``);
+    ``tls``: how https replicas are verified and what certificate the router shows them (the same
+    context as the pool's, so a probe succeeds exactly when a request can)."""
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=60, ssl=tls if tls is not None else True
+    )
     return aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),
@@ -133,9 +138,12 @@ def make_upstream_session(timeouts: Timeouts) -> aiohttp.ClientSession:
     )
 
 
-def make_upstream_pool(timeouts: Timeouts) -> UpstreamPool:
-    """The keep-alive connections every proxied request goes through."""
-    return UpstreamPool(timeouts.connect_s, keepalive_s=30.0)
+def make_upstream_pool(
+    timeouts: Timeouts, tls: ssl.SSLContext | None = None, server_name: str | None = None
+) -> UpstreamPool:
+    """The keep-alive connections every proxied request goes through (``tls``, ``server_name``: for
+    https replicas)."""
+    return UpstreamPool(timeouts.connect_s, keepalive_s=30.0, ssl_context=tls, server_name=server_name)
 
 
 _nodelay_done: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
@@ -165,7 +173,8 @@ class Proxy:
         return {**self._fixed_headers, "X-Request-Id": request_id}
 
     async def open(
-        self, replica: str, url: str | None, path: str, body: bytes, *, request_id: str, stream: bool
+        self, replica: str, url: str | None, path: str, body: bytes, *, request_id: str, stream: bool,
+        method: str = "POST",
     ) -> Opened | Unanswered:
         """Send ``body`` to ``replica`` (at ``url``; None: it left the fleet) and wait for its first
         byte (a stream's first event, or a whole non-streamed answer)."""
@@ -175,7 +184,7 @@ class Proxy:
             async with asyncio.timeout(self.timeouts.first_byte_s):
                 if url is None:  # left the fleet between the decision and now
                     raise UpstreamError(f"replica {replica} is gone")
-                upstream = await self.pool.request(url, path, self._headers(request_id), body)
+                upstream = await self.pool.request(url, path, self._headers(request_id), body, method)
                 if upstream.status in _AUTH_STATUSES:
                     await upstream.read()
                     upstream.release()

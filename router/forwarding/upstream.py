@@ -411,9 +411,9 @@ def _parse_head(head: bytes) -> tuple[int, dict[str, str], bool]:
 class _Target:
     """What is computed once per base URL: address, TLS, path prefix, the fixed request headers."""
 
-    __slots__ = ("key", "host", "port", "ssl", "prefix", "fixed", "where")
+    __slots__ = ("key", "host", "port", "ssl", "server_name", "prefix", "fixed", "where")
 
-    def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None):
+    def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None, server_name: str | None = None):
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UpstreamConnectError(f"not an http(s) URL: {base_url!r}")
@@ -421,6 +421,7 @@ class _Target:
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.key = (self.host, self.port)
         self.ssl = ssl_context if parts.scheme == "https" else None
+        self.server_name = server_name or self.host  # what its certificate must name (and SNI)
         self.prefix = parts.path.rstrip("/")
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.where = f"{host}:{self.port}"
@@ -439,14 +440,16 @@ class _Target:
 class UpstreamPool:
     """Keep-alive connections per (host, port), shared by every request to the replicas."""
 
-    def __init__(self, connect_timeout_s: float, keepalive_s: float = 30.0, max_idle_per_host: int = 256):
+    def __init__(self, connect_timeout_s: float, keepalive_s: float = 30.0, max_idle_per_host: int = 256,
+                 ssl_context: ssl.SSLContext | None = None, server_name: str | None = None):
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
         self.max_idle_per_host = max_idle_per_host
         self._targets: dict[str, _Target] = {}
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._open: set[_Connection] = set()
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context  # https replicas (None: the system's CAs, made when first needed)
+        self._server_name = server_name  # the name https replicas' certificates hold (None: each URL's host)
         self._sweep_timer: asyncio.TimerHandle | None = None
         self.closed = False
 
@@ -493,7 +496,7 @@ class UpstreamPool:
     def _target(self, base_url: str) -> _Target:
         if base_url.startswith("https:") and self._ssl is None:
             self._ssl = ssl.create_default_context()
-        target = _Target(base_url, self._ssl)
+        target = _Target(base_url, self._ssl, self._server_name)
         if len(self._targets) > 4096:  # replicas come and go: forget old URLs, not every request
             self._targets.clear()
         self._targets[base_url] = target
@@ -525,7 +528,7 @@ class UpstreamPool:
             async with asyncio.timeout(self.connect_timeout_s):
                 await loop.create_connection(
                     lambda: conn, target.host, target.port, ssl=target.ssl,
-                    server_hostname=target.host if target.ssl else None,
+                    server_hostname=target.server_name if target.ssl else None,
                 )  # fmt: skip
         except TimeoutError as exc:
             raise UpstreamConnectError(

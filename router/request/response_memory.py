@@ -98,3 +98,8 @@ class ResponseMemory:
         """A replica left: what it stored is gone with it."""
         for rid in [rid for rid, turn in self._turns.items() if turn.replica == replica]:
             self.chars -= self._turns.pop(rid).chars
+
+    def replica_of(self, response_id: str) -> str | None:
+        """The replica that stored ``response_id``, if this process relayed it (and still remembers)."""
+        turn = self._turns.get(response_id)
+        return turn.replica if turn is not None else None

@@ -247,7 +247,7 @@ class Router:
 
     def eligible(self, model: str) -> list[Replica]:
         """Replicas that may take a request for ``model``; 404 if none serves it, 503 if none is up,
-        502 if none serves it while some refuse the router's API key (docs/design.md §7.5)."""
+        502 if none serves it while some refuse the router's API key or fail TLS (docs/design.md §7.5)."""
         replicas = self.fleet.eligible(model)
         if replicas:
             return replicas
@@ -260,11 +260,21 @@ class Router:
             )
         refusing = self.fleet.auth_refused()
         if refusing:  # their models are unknown: the router's key is the problem, not the client's request
-            names = ", ".join(sorted(r.name for r in refusing)[:3]) + (" and others" if len(refusing) > 3 else "")
             raise ApiError(
                 502,
-                f"no replica known to serve model {model!r}: replica(s) {names} refuse the router's API key "
+                f"no replica known to serve model {model!r}: replica(s) {_some(refusing)} refuse the router's API key "
                 f"({refusing[0].auth_refused}); the router's operator must set fleet.replica_api_key",
                 code="upstream_auth_failed",
             )
+        failing = self.fleet.tls_failed()
+        if failing:  # the same: the router's (or the replicas') TLS settings are the problem
+            raise ApiError(
+                502, f"no replica known to serve model {model!r}: TLS with replica(s) {_some(failing)} fails: "
+                f"{failing[0].tls_failed}", code="upstream_tls_failed",
+            )
         raise ApiError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+
+
+def _some(replicas: Sequence[Replica]) -> str:
+    """A few replicas' names for a message."""
+    return ", ".join(sorted(r.name for r in replicas)[:3]) + (" and others" if len(replicas) > 3 else "")

@@ -3,7 +3,7 @@
 Pods, not EndpointSlices (docs/design.md §7.3): the selector names the vLLM pods themselves (as
 SGLang's and the vLLM production-stack routers do), so a fleet started by someone else's chart
 needs no Service.  A pod is a replica while it is Running, Ready, has an IP and no
-deletionTimestamp; its URL is ``http://<podIP>:<port named port_name>``, else the fallback port.
+deletionTimestamp; its URL is ``http://<podIP>:<port named port_name>`` (``https`` with ``scheme``), else the fallback port.
 
 One background task keeps the listing: a paginated list, then a watch from its resourceVersion
 (ADDED/MODIFIED/DELETED, BOOKMARKs).  A watch that times out resumes; a 410 Gone lists again; any
@@ -96,6 +96,7 @@ class K8sSource(DiscoverySource):
         namespace: str | None = None,
         port_name: str = "http",
         port: int | None = None,
+        scheme: str = "http",
         timeout_s: float = 2.0,
         watch_timeout_s: float = 300.0,
         backoff_s: tuple[float, float] = (0.5, 30.0),
@@ -109,6 +110,7 @@ class K8sSource(DiscoverySource):
         self.namespace = namespace  # resolved from the config when None
         self._port_name = port_name
         self._port = port
+        self._scheme = scheme
         self._timeout_s = timeout_s
         self._watch_timeout_s = watch_timeout_s
         self._backoff_s = backoff_s
@@ -293,4 +295,4 @@ class K8sSource(DiscoverySource):
                 self._no_port_warned.add(name)
                 log.warning("pod %s has no container port named %r and no fallback port: skipped", name, self._port_name)
             return
-        pods[name] = address_url("http", pod["status"]["podIP"], port)
+        pods[name] = address_url(self._scheme, pod["status"]["podIP"], port)

@@ -130,6 +130,7 @@ FleetSettings).  Bring your own vLLM (replica.enabled=false) needs at least one 
 {{- $redis := and $d.redis (include "kvroute.redis.configured" .) -}}
 {{- if .Values.replica.enabled -}}
 {{- if $d.dnsName }}{{ fail "router.discovery.dnsName is for replica.enabled=false: the chart's replicas are found through their own headless Service" }}{{ end -}}
+{{- if .Values.router.replicaTls.secretName }}{{ fail "router.replicaTls is for replicas that serve HTTPS (replica.enabled=false): the chart's own replicas serve plain HTTP" }}{{ end -}}
 {{- if not $d.k8s.selector }}
 # the chart's replicas: every ready pod behind their headless service (a selector replaces it)
 - {name: KVROUTE_FLEET__DNS_NAME, value: {{ include "kvroute.replica.dnsName" . | quote }}}
@@ -141,6 +142,11 @@ FleetSettings).  Bring your own vLLM (replica.enabled=false) needs at least one 
 # bring your own vLLM: the replicas router.discovery names
 {{- with $d.dnsName }}
 - {name: KVROUTE_FLEET__DNS_NAME, value: {{ . | quote }}}
+{{- end }}
+{{- if .Values.router.replicaTls.secretName }}
+# the replicas serve HTTPS (router.replicaTls): those found by DNS or the Kubernetes API too
+- {name: KVROUTE_FLEET__DNS_SCHEME, value: https}
+- {name: KVROUTE_FLEET__K8S_SCHEME, value: https}
 {{- end }}
 {{- end }}
 {{- with $d.replicas }}
