@@ -1313,6 +1313,8 @@ def test_chart_routers_verify_and_replicas_sign_registrations_with_one_secret(tm
     for component, pod in pods_of(mine).items():
         if component in ("router", "replica"):
             assert mounted_secret(pod, "/etc/kvroute/registration/secret") == ("reg", "k")
+    byo = ("replica.enabled=false", "router.discovery.dnsName=vllm.llm.svc.cluster.local:8000")
+    assert "believed only signed with the secret in Secret rel-kvroute-registration" in chart_notes(tmp_path, *byo)
     off = by_kind(helm_template("registration.signed=false"))
     assert ("rel-kvroute-registration", "registration-secret") not in secret_values(off)
     assert not any("KVROUTE_REGISTRATION_SECRET_FILE" in env_of(p["spec"]["containers"][0]) for p in pods_of(off).values())
