@@ -210,6 +210,65 @@ async def test_a_replayed_registration_expires(redis_url, redis_prefix):
         await redis.aclose()
 
 
+# vLLM's command line served by the emulated replica: what the vLLM launcher runs, without vLLM
+STAND_IN_VLLM = """
+import argparse, asyncio
+from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
+
+p = argparse.ArgumentParser()
+for flag in ("--served-model-name", "--host", "--port", "--block-size"):
+    p.add_argument(flag)
+args, _ = p.parse_known_args()
+
+async def main():
+    config = ReplicaConfig(model=args.served_model_name, host=args.host, port=int(args.port),
+                           block_size=int(args.block_size), time_scale=0)
+    await EmulatedReplica(config).start()
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_the_vllm_launcher_signs_its_registration(redis_url, redis_prefix, tmp_path):
+    """`kvroute replica --engine vllm` (a stand-in vLLM) registers signed: a router with the
+    secret believes it, and its hash verifies with the secret and with nothing else."""
+    from kvroute.common.registration import list_registrations
+
+    (tmp_path / "stand_in_vllm.py").write_text(STAND_IN_VLLM)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tmp_path), env.get("PYTHONPATH"))))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", "replica", "--engine", "vllm", "--model", MODEL, "--model-path",
+         str(tmp_path), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--vllm-python",
+         sys.executable, "--vllm-entry", "stand_in_vllm", "--redis-url", redis_url, "--redis-key-prefix", redis_prefix,
+         "--registration-secret-file", str(secret_file), "--startup-timeout", "60", "--drain-timeout", "1",
+         "--drain-grace", "0"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)  # the ready line
+        url = f"http://127.0.0.1:{port}"
+        assert line.startswith(url), (line, proc.poll() is not None and proc.stderr.read())
+        ((name, fields),) = await list_registrations(redis, redis_prefix)
+        assert (name, fields["url"], fields["engine"]) == (url, url, "vllm")
+        assert verify(fields, redis_prefix, name, SECRET.encode(), time.time()) is None
+        assert verify(fields, redis_prefix, name, b"another secret", time.time()) == "bad_signature"
+        async with running_router(
+            [], **router_overrides(redis_url, redis_prefix, registration_secret_file=secret_file)
+        ) as app:
+            await until(lambda: _healthy(app, url), "the signed vLLM replica to join")
+            assert len(await chats(app)) == CHATS
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+        await redis.aclose()
+
+
 async def _healthy(app: Any, url: str) -> bool:
     r = app.fleet.get(url)
     return r is not None and r.healthy
