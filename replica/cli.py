@@ -81,6 +81,12 @@ def _add_registration_arguments(g: argparse._ArgumentGroup) -> None:
                    help="prefix of the registration keys, the routers' (default $KVROUTE_REDIS_KEY_PREFIX or kvroute)")
     g.add_argument("--name", default=None, help="registration name (default: the replica's URL)")
     g.add_argument("--registration-ttl", type=float, default=15.0, help="seconds a registration outlives its last heartbeat")
+    g.add_argument("--registration-secret", default=os.environ.get("KVROUTE_REGISTRATION_SECRET") or None,
+                   help="sign the registration with this shared secret, the routers' (default "
+                        "$KVROUTE_REGISTRATION_SECRET; a flag is visible in `ps`: prefer the file)")
+    g.add_argument("--registration-secret-file", default=os.environ.get("KVROUTE_REGISTRATION_SECRET_FILE") or None,
+                   help="file holding that secret, e.g. a mounted Kubernetes Secret (default "
+                        "$KVROUTE_REGISTRATION_SECRET_FILE)")
     g.add_argument("--advertise-host", default=None,
                    help="host routers reach this replica and its KV events at (default: --host, or this "
                         "machine's name when --host is a wildcard)")
@@ -157,7 +163,9 @@ async def _run(config: object, args: argparse.Namespace) -> None:
             from kvroute.common.registration import KeptRegistration
 
             record = _emulated_record(replica, args)
-            registered = KeptRegistration(args.redis_url, args.redis_key_prefix, record, args.registration_ttl)
+            registered = KeptRegistration(
+                args.redis_url, args.redis_key_prefix, record, args.registration_ttl, secret=args.registration_key
+            )
             await registered.start()
         url = registered.record.url if registered else replica.url
         events = f" events {replica.events_endpoint}" if replica.events_endpoint else ""
@@ -263,7 +271,9 @@ def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(str(exc))
     registration = None
     if args.redis_url:
-        registration = Registration(args.redis_url, args.redis_key_prefix, args.name, args.registration_ttl)
+        registration = Registration(
+            args.redis_url, args.redis_key_prefix, args.name, args.registration_ttl, secret=args.registration_key
+        )
     else:
         logging.getLogger(__name__).warning("no --redis-url: the replica will not be registered")
     timeouts = Timeouts(startup=args.startup_timeout, drain_grace=args.drain_grace, drain=args.drain_timeout)
@@ -280,9 +290,19 @@ def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return asyncio.run(run())
 
 
+def _registration_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bytes | None:
+    from kvroute.common.registration_auth import read_secret
+
+    try:
+        return read_secret(args.registration_secret, args.registration_secret_file)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.registration_key = _registration_key(args, parser)
     if args.engine == "vllm":
         configure_logging(args.log_level, args.log_format)
         return _main_vllm(args, parser)

@@ -21,7 +21,7 @@ import os
 import shlex
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
 import aiohttp
@@ -40,6 +40,7 @@ class Registration:
     key_prefix: str = "kvroute"
     name: str | None = None  # default: the replica's URL
     ttl: float = 15.0
+    secret: bytes | None = field(default=None, repr=False)  # signs the registration (never printed)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class VllmSupervisor:
         if self.registration is None or self.record is None:
             return
         reg = self.registration
-        self._registered = KeptRegistration(reg.redis_url, reg.key_prefix, self.record, reg.ttl)
+        self._registered = KeptRegistration(reg.redis_url, reg.key_prefix, self.record, reg.ttl, secret=reg.secret)
         await self._registered.start()
 
     def _announce(self) -> None:

@@ -106,7 +106,8 @@ class RouterApp:
         # every index call goes through it: budgets, failure counts, writes behind the answer
         self.index_client = IndexClient(self.index, metrics=self.metrics.index, timeout_s=s.index_timeout_s)
         self.fleet = Fleet(
-            s.fleet, self.session, index=self.index_client, registry=self.metrics.registry, follows_events=s.kv_events
+            s.fleet, self.session, index=self.index_client, registry=self.metrics.registry, follows_events=s.kv_events,
+            registration_secret=s.registration_key(),
         )
         self.fleet.subscribe(self._on_fleet_event)
         self.metrics.bind_replicas(self._replica_gauges)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -41,6 +41,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
     YamlConfigSettingsSource,
 )
+
+from kvroute.common.registration_auth import read_secret
 
 from kvroute.router.fleet.discovery import ReplicaEntry, entry_url
 from kvroute.router.fleet.settings import FleetSettings
@@ -103,6 +105,7 @@ class RouterSettings(BaseSettings):
     )
 
     config: Path | None = Field(None, description="config file (.toml or .json; .yaml with PyYAML)")
+    _registration_key: bytes | None = PrivateAttr(None)
     # `_hint(NAME)`: what --help calls a flag's value where router/settings_cli.py's rule says less
 
     # -- listening -------------------------------------------------------------------------
@@ -206,6 +209,15 @@ class RouterSettings(BaseSettings):
     admin_token: SecretStr | None = Field(None, description="bearer token of /admin/ (unset: admin disabled)")
     tenant_isolation: bool = Field(False, description="derive cache_salt from the client's API key")
     tenant_salt_secret: SecretStr | None = Field(None, description="HMAC key of tenant salts (share it among routers)")
+    registration_secret: SecretStr | None = Field(
+        None, description="shared secret of Redis registrations: only those its replica launchers signed are "
+        "believed (unset: every registration, and a warning at start); prefer registration_secret_file",
+        json_schema_extra=_hint("SECRET"),
+    )
+    registration_secret_file: Path | None = Field(
+        None, description="file holding registration_secret (a mounted Kubernetes Secret; a trailing newline is "
+        "ignored)", json_schema_extra=_hint("FILE"),
+    )
 
     allow_client_chat_template: bool = Field(
         False, description="render a request's own chat_template (in a sandboxed worker process, within the "
@@ -271,8 +283,10 @@ class RouterSettings(BaseSettings):
             return usable_cores()
         return value
 
-    @field_validator("admin_token", "tenant_salt_secret", "tokenizer", "redis_url", "tls_cert_file", "tls_key_file",
-                     mode="before")
+    @field_validator(
+        "admin_token", "tenant_salt_secret", "tokenizer", "redis_url", "tls_cert_file", "tls_key_file",
+        "registration_secret", "registration_secret_file", mode="before",
+    )
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         # `KVROUTE_ADMIN_TOKEN=` (an empty variable, as compose files pass them) means "not set"
@@ -288,6 +302,15 @@ class RouterSettings(BaseSettings):
     def _tls_pair(self) -> RouterSettings:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together: give both to serve HTTPS, or neither")
+        return self
+
+    @model_validator(mode="after")
+    def _registration_secret_read(self) -> RouterSettings:
+        # read now: a missing or empty file stops the router at start, not at its first listing
+        self._registration_key = read_secret(
+            self.registration_secret.get_secret_value() if self.registration_secret else None,
+            self.registration_secret_file,
+        )
         return self
 
     @model_validator(mode="after")
@@ -320,6 +343,10 @@ class RouterSettings(BaseSettings):
 
     def tokenizer_dir(self, model: str) -> str | None:
         return self.tokenizers.get(model, self.tokenizer)
+
+    def registration_key(self) -> bytes | None:
+        """The secret Redis registrations must be signed with (None: believe them all)."""
+        return self._registration_key
 
     def client_keys(self) -> set[str]:
         return {key.get_secret_value() for key in self.api_keys}

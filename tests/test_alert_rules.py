@@ -151,6 +151,21 @@ CASES: dict[str, dict[str, Any]] = {
             alert("KvrouteDiscoveryErrors", "45m", {"severity": "warning", **ROUTER, "source": "k8s"}),
         ],
     },
+    # a rogue entry in Redis for 10 minutes, seen by two routers at every 2-second round; then
+    # removed.  A replica launched without the secret would look the same (reason unsigned)
+    "registration_rejected": {
+        "input_series": [
+            series("kvroute_discovery_rejected_total", {**ROUTER, "reason": "unsigned"}, "0+7x40 280x40"),
+            series("kvroute_discovery_rejected_total", {**OTHER_ROUTER, "reason": "unsigned"}, "0+7x40 280x40"),
+            series("kvroute_discovery_rejected_total", {**ROUTER, "reason": "bad_signature"}, "0x80"),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteRegistrationRejected", "1m"),  # for: 2m
+            alert("KvrouteRegistrationRejected", "4m", {"severity": "warning", "job": "kvroute", "reason": "unsigned"}),
+            alert("KvrouteRegistrationRejected", "9m", {"severity": "warning", "job": "kvroute", "reason": "unsigned"}),
+            alert("KvrouteRegistrationRejected", "17m"),  # gone at 10m: its 5-minute window has passed
+        ],
+    },
     # every lookup fails for 10 minutes: a warning, not a page
     "redis_errors": {
         "input_series": [

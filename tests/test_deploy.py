@@ -52,6 +52,7 @@ def run(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None, input: 
 
 GRAFANA_PASSWORD = "a-test-password"  # the variables the compose file requires
 REDIS_PASSWORD = "a-redis-test-password-0123"
+REGISTRATION_SECRET = "a-registration-test-secret-0123"
 
 
 def compose_env(**variables: str) -> dict[str, str]:
@@ -66,7 +67,8 @@ def compose_config(profile: str | None, **variables: str) -> dict[str, Any]:
     args = [tool("docker-compose"), "-f", str(COMPOSE)]
     if profile:
         args += ["--profile", profile]
-    env = compose_env(GRAFANA_ADMIN_PASSWORD=GRAFANA_PASSWORD, REDIS_PASSWORD=REDIS_PASSWORD, **variables)
+    env = compose_env(GRAFANA_ADMIN_PASSWORD=GRAFANA_PASSWORD, REDIS_PASSWORD=REDIS_PASSWORD,
+                      KVROUTE_REGISTRATION_SECRET=REGISTRATION_SECRET, **variables)
     return json.loads(run(*args, "config", "--format", "json", env=env))
 
 
@@ -102,11 +104,15 @@ def test_compose_routers_share_redis_and_discover_replicas_by_their_alias(compos
     assert all(r["depends_on"]["redis"]["condition"] == "service_healthy" for r in routers)
 
 
-def test_compose_router_environment_is_valid_router_settings(compose, monkeypatch):
+def test_compose_router_environment_is_valid_router_settings(compose, monkeypatch, tmp_path):
     """What the compose file sets is what `kvroute router` accepts (router/config.py)."""
     from kvroute.router.config import load_settings
 
-    env = compose["emulated"]["services"]["router-1"]["environment"]
+    env = dict(compose["emulated"]["services"]["router-1"]["environment"])
+    # the compose secret, as a file where the router reads it
+    (tmp_path / "registration-secret").write_text(REGISTRATION_SECRET)
+    assert env["KVROUTE_REGISTRATION_SECRET_FILE"] == "/run/secrets/registration-secret"
+    env["KVROUTE_REGISTRATION_SECRET_FILE"] = str(tmp_path / "registration-secret")
     for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():
@@ -115,6 +121,7 @@ def test_compose_router_environment_is_valid_router_settings(compose, monkeypatc
     assert settings.fleet.dns_name == env["KVROUTE_FLEET__DNS_NAME"]
     assert settings.redis_url == env["KVROUTE_REDIS_URL"] and settings.fleet.discovery_redis
     assert settings.policy == "cost_model" and not settings.api_keys and settings.admin_token is None
+    assert settings.registration_key() == REGISTRATION_SECRET.encode()
 
 
 def test_compose_publishes_on_loopback_unless_told_otherwise(compose):
@@ -128,7 +135,8 @@ def test_compose_publishes_on_loopback_unless_told_otherwise(compose):
 
 def test_compose_grafana_needs_a_password_and_admits_no_anonymous_viewer(compose):
     out = subprocess.run([tool("docker-compose"), "-f", str(COMPOSE), "config"], capture_output=True,
-                         text=True, timeout=120, env=compose_env(REDIS_PASSWORD=REDIS_PASSWORD))
+                         text=True, timeout=120, env=compose_env(REDIS_PASSWORD=REDIS_PASSWORD,
+                                                                KVROUTE_REGISTRATION_SECRET=REGISTRATION_SECRET))
     assert out.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in out.stderr
     grafana = compose[None]["services"]["grafana"]["environment"]
     assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == GRAFANA_PASSWORD
@@ -154,7 +162,8 @@ def test_compose_prometheus_has_no_lifecycle_api(compose):
 
 def test_compose_redis_requires_a_password_every_client_has(compose):
     out = subprocess.run([tool("docker-compose"), "-f", str(COMPOSE), "config"], capture_output=True,
-                         text=True, timeout=120, env=compose_env(GRAFANA_ADMIN_PASSWORD=GRAFANA_PASSWORD))
+                         text=True, timeout=120, env=compose_env(GRAFANA_ADMIN_PASSWORD=GRAFANA_PASSWORD,
+                                                                KVROUTE_REGISTRATION_SECRET=REGISTRATION_SECRET))
     assert out.returncode != 0 and "set REDIS_PASSWORD" in out.stderr
     for profile, config in compose.items():
         services = config["services"]
@@ -166,6 +175,24 @@ def test_compose_redis_requires_a_password_every_client_has(compose):
                    if "KVROUTE_REDIS_URL" in s.get("environment", {})}
         assert {"router-1", "router-2"} <= set(clients) and set(clients) >= PROFILES[profile]
         assert set(clients.values()) == {f"redis://:{REDIS_PASSWORD}@redis:6379/0"}, profile
+
+
+def test_compose_registrations_are_signed_and_verified_with_one_secret(compose):
+    """Every replica that registers signs with the secret, every router verifies with it, read from
+    a compose secret (a file: the value is in no container's environment); no secret, no start."""
+    out = subprocess.run([tool("docker-compose"), "-f", str(COMPOSE), "config"], capture_output=True, text=True,
+                         timeout=120, env=compose_env(GRAFANA_ADMIN_PASSWORD=GRAFANA_PASSWORD, REDIS_PASSWORD=REDIS_PASSWORD))
+    assert out.returncode != 0 and "set KVROUTE_REGISTRATION_SECRET" in out.stderr
+    for profile, config in compose.items():
+        assert config["secrets"]["registration-secret"]["environment"] == "KVROUTE_REGISTRATION_SECRET"
+        services = config["services"]
+        registering = {name for name, s in services.items() if "KVROUTE_REDIS_URL" in s.get("environment", {})}
+        assert {"router-1", "router-2"} | PROFILES[profile] <= registering, profile
+        for name in registering:
+            env, secrets = services[name]["environment"], services[name].get("secrets", [])
+            assert env["KVROUTE_REGISTRATION_SECRET_FILE"] == "/run/secrets/registration-secret", (profile, name)
+            assert [s["source"] for s in secrets] == ["registration-secret"], (profile, name)
+            assert REGISTRATION_SECRET not in json.dumps(services[name]), (profile, name)
 
 
 def test_compose_redis_is_bounded_and_evicts(compose):
@@ -375,30 +402,22 @@ def test_chart_renders_router_with_probes_pdb_and_service():
     services = {s["metadata"]["name"]: s for s in kinds["Service"]}
     assert services["rel-kvroute-router"]["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
     assert "HorizontalPodAutoscaler" not in kinds
-    assert [s["metadata"]["name"] for s in kinds["Secret"]] == ["rel-kvroute-redis"]  # Redis's password only
+    # Redis's password and the registration secret only
+    assert sorted(s["metadata"]["name"] for s in kinds["Secret"]) == ["rel-kvroute-redis", "rel-kvroute-registration"]
 
 
 def test_chart_router_environment_is_valid_router_settings(monkeypatch):
-    from kvroute.router.config import load_settings
-
     for values in [(), ("replica.engine=emulated",), ("redis.enabled=false",)]:
         kinds = by_kind(helm_template(*values))
         (router,) = [d for d in kinds["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router"]
-        env = env_of(router["spec"]["template"]["spec"]["containers"][0])
-        for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
-            monkeypatch.delenv(key)
-        for key, value in env.items():
-            if isinstance(value, str):  # literal values; secrets are checked below
-                monkeypatch.setenv(key, value)
-        settings = load_settings([])
+        # literal values; secrets are checked below
+        settings = load_router_env(literal_env(router["spec"]["template"]["spec"]["containers"][0]), monkeypatch)
         headless = next(s for s in kinds["Service"] if s["spec"].get("clusterIP") == "None")
         assert settings.fleet.dns_name == f"{headless['metadata']['name']}.llm.svc.cluster.local:8000"
         assert bool(settings.redis_url) == ("redis.enabled=false" not in values)
 
 
 def test_chart_kubernetes_discovery_renders_rbac_and_the_router_settings(monkeypatch):
-    from kvroute.router.config import load_settings
-
     plain = by_kind(helm_template())
     assert not {"ServiceAccount", "Role", "RoleBinding"} & set(plain)  # only with a selector
     (router,) = [d for d in plain["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router"]
@@ -419,12 +438,7 @@ def test_chart_kubernetes_discovery_renders_rbac_and_the_router_settings(monkeyp
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "llm"}]
 
-    for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
-        monkeypatch.delenv(key)
-    for key, value in env_of(pod["containers"][0]).items():
-        if isinstance(value, str):
-            monkeypatch.setenv(key, value)
-    fleet = load_settings([]).fleet
+    fleet = load_router_env(literal_env(pod["containers"][0]), monkeypatch).fleet
     assert (fleet.k8s_selector, fleet.k8s_namespace, fleet.k8s_port_name, fleet.k8s_port) == (
         "app=vllm,model=qwen", "gpu", "openai", 8080)
     assert fleet.dns_name is None  # the selector replaces the headless service
@@ -737,8 +751,17 @@ def literal_env(container: dict) -> dict[str, str]:
 
 
 def load_router_env(env: dict[str, str], monkeypatch):
+    """The router's settings from ``env``; a mounted registration secret the test did not write is
+    a file holding a stand-in (the router reads it at start)."""
+    import tempfile
+
     from kvroute.router.config import load_settings
 
+    mounted = env.get("KVROUTE_REGISTRATION_SECRET_FILE")
+    if mounted and not Path(mounted).exists():
+        stand_in = Path(tempfile.mkdtemp()) / "registration-secret"
+        stand_in.write_text("a-stand-in-registration-secret")
+        env = {**env, "KVROUTE_REGISTRATION_SECRET_FILE": str(stand_in)}
     for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():
@@ -1235,20 +1258,70 @@ def test_chart_redis_password_given_existing_or_off():
     kinds = by_kind(helm_template("redis.auth.password=a-given-password-0123"))
     assert secret_values(kinds)[("rel-kvroute-redis", "redis-password")] == "a-given-password-0123"
     mine = by_kind(helm_template("redis.auth.existingSecret=redis-pw", "redis.auth.existingSecretKey=pw"))
-    assert [s["metadata"]["name"] for s in mine.get("Secret", [])] == []
+    # (the registration secret aside: docs/deploy.md)
+    assert [s["metadata"]["name"] for s in mine.get("Secret", [])] == ["rel-kvroute-registration"]
     for component, pod in pods_of(mine).items():
         env = {e["name"]: e for e in pod["spec"]["containers"][0].get("env", [])}
         if component in ("router", "replica", "redis"):
             assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "redis-pw", "key": "pw"}, component
-    off = by_kind(helm_template("redis.auth.enabled=false"))
+    off = by_kind(helm_template("redis.auth.enabled=false", "registration.signed=false"))
     assert "Secret" not in off
     redis_pod = pods_of(off)["redis"]["spec"]["containers"][0]
     assert "--requirepass" not in redis_pod["args"] and "env" not in redis_pod
     assert env_of(router_of(off)["spec"]["template"]["spec"]["containers"][0])["KVROUTE_REDIS_URL"] == \
         "redis://rel-kvroute-redis:6379/0"
     # an external Redis: its URL as given (credentials in it, or from redis.existingSecret)
-    external = by_kind(helm_template("redis.enabled=false", "redis.externalUrl=rediss://cache:6380/0"))
+    external = by_kind(helm_template("redis.enabled=false", "redis.externalUrl=rediss://cache:6380/0",
+                                     "registration.signed=false"))
     assert "Secret" not in external and "REDIS_PASSWORD" not in env_of(router_of(external)["spec"]["template"]["spec"]["containers"][0])
+
+
+def mounted_secret(pod: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file ``path`` in the pod's first container, through its volumes."""
+    container = pod["spec"]["containers"][0]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for mount in container["volumeMounts"]:
+        if path.startswith(mount["mountPath"] + "/") and "secret" in volumes[mount["name"]]:
+            source = volumes[mount["name"]]["secret"]
+            (item,) = [i for i in source["items"] if mount["mountPath"] + "/" + i["path"] == path]
+            return source["secretName"], item["key"]
+    raise AssertionError(f"nothing mounted at {path}")
+
+
+def test_chart_routers_verify_and_replicas_sign_registrations_with_one_secret(tmp_path, monkeypatch):
+    """By default the chart generates the registration secret; the routers and the vLLM replicas
+    read it as a mounted file (never an environment value), and the router's settings read it."""
+    kinds = by_kind(helm_template())
+    secrets, pods = secret_values(kinds), pods_of(kinds)
+    secret = secrets[("rel-kvroute-registration", "registration-secret")]
+    assert len(secret) == 32 and secret.isalnum()
+    for component in ("router", "replica"):
+        env = env_of(pods[component]["spec"]["containers"][0])
+        path = env["KVROUTE_REGISTRATION_SECRET_FILE"]
+        assert mounted_secret(pods[component], path) == ("rel-kvroute-registration", "registration-secret")
+    assert secret not in json.dumps([pods[c]["spec"] for c in pods])
+    # what the router makes of that environment, the file as Kubernetes writes it
+    router_env = literal_env(pods["router"]["spec"]["containers"][0])
+    (tmp_path / "secret").write_text(secret)
+    router_env["KVROUTE_REGISTRATION_SECRET_FILE"] = str(tmp_path / "secret")
+    assert load_router_env(router_env, monkeypatch).registration_key() == secret.encode()
+    # given, an existing Secret, or off
+    given = by_kind(helm_template("registration.secret=a-given-registration-secret"))
+    assert secret_values(given)[("rel-kvroute-registration", "registration-secret")] == "a-given-registration-secret"
+    mine = by_kind(helm_template("registration.existingSecret=reg", "registration.existingSecretKey=k"))
+    assert ("rel-kvroute-registration", "registration-secret") not in secret_values(mine)
+    for component, pod in pods_of(mine).items():
+        if component in ("router", "replica"):
+            assert mounted_secret(pod, "/etc/kvroute/registration/secret") == ("reg", "k")
+    byo = ("replica.enabled=false", "router.discovery.dnsName=vllm.llm.svc.cluster.local:8000")
+    assert "believed only signed with the secret in Secret rel-kvroute-registration" in chart_notes(tmp_path, *byo)
+    off = by_kind(helm_template("registration.signed=false"))
+    assert ("rel-kvroute-registration", "registration-secret") not in secret_values(off)
+    assert not any("KVROUTE_REGISTRATION_SECRET_FILE" in env_of(p["spec"]["containers"][0]) for p in pods_of(off).values())
+    with pytest.raises(AssertionError, match="registration"):  # the schema: a short secret, an unknown key
+        helm_template("registration.secret=short")
+    with pytest.raises(AssertionError, match="sign"):
+        helm_template("registration.sign=true")
 
 
 async def test_rediss_with_a_ca_bundle_in_the_url_reaches_a_tls_redis(tmp_path):

@@ -78,7 +78,7 @@ ALERT_TIMEOUT_S = 60.0
 EXPECTED_ALERTS = ("KvrouteDeliveredReuseLow", "KvrouteReplicaShareHigh", "KvrouteRedisErrors", "KvrouteRouter5xx",
                    "KvrouteKvEventGaps", "KvrouteIndexRebuilt", "KvrouteNoHealthyReplica", "KvrouteRouterTargetDown",
                    "KvrouteBreakerOpen", "KvrouteKvEventStreamDown", "KvrouteKvEventLagHigh",
-                   "KvrouteDiscoveryErrors")
+                   "KvrouteDiscoveryErrors", "KvrouteRegistrationRejected")
 RUNBOOK = REPO / "docs" / "runbook.md"
 
 
@@ -753,6 +753,8 @@ def test_each_alert_fires_by_its_condition(fleet: Fleet):
         "KvrouteDeliveredReuseLow": lambda lab: lab.get("model") in ("tiny", "hot"),  # cost_model follows the cache
         "KvrouteReplicaShareHigh": lambda lab: lab.get("model") == "tiny-rr",  # round-robin spreads evenly
         "KvrouteIndexRebuilt": lambda lab: True,  # nothing emptied Redis (yet: see the test below)
+        # (its firing: tests/test_alert_rules.py; the rogue registrations: tests/test_registration_auth.py)
+        "KvrouteRegistrationRejected": lambda lab: True,  # every registration here is believed
         "KvrouteBreakerOpen": lambda lab: lab.get("replica") in healthy_replicas(fleet),
         "KvrouteNoHealthyReplica": lambda lab: True,  # every model has a healthy replica (until a test below)
         ROUTER_DOWN_ALERT: lambda lab: True,  # every router answers (until a test below)

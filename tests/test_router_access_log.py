@@ -139,3 +139,79 @@ async def test_the_logged_replica_is_the_one_that_answered_after_failover():
     assert [rec["replica"] for rec in access] == [good.url, good.url]
     assert all((rec["attempts"] == 2) == (rec["reason"] == "failover") for rec in access)
     assert any(rec["reason"] == "failover" for rec in access) and all(rec["status"] == 200 for rec in access)
+
+
+# -- forged lines (issue 21, 3b): a client's CR, LF and terminal escapes stay inside one line -----
+
+FORGED = "\r\n2026-12-04 00:00:00,000 INFO kvroute.access: GET /v1/models 200 request_id=forged status=200\x1b[2J\x1b[31m"
+KEY = "a-client-key"
+
+
+async def _raw(url: str, head: bytes, body: bytes = b"") -> tuple[int, dict[str, str]]:
+    """``head`` (a request line and headers, as bytes) and ``body`` sent as they are; the answer's
+    status and headers."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head + b"Connection: close\r\n\r\n" + body)
+        answer = (await asyncio.wait_for(reader.read(), 30)).decode("latin-1")
+    finally:
+        writer.close()
+    lines = answer.split("\r\n\r\n", 1)[0].split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}
+
+
+async def test_client_values_cannot_forge_or_split_a_text_log_line():
+    """With the default text format and --api-keys, CR/LF/ESC through the model, the path (no key
+    needed for it), the user, the session and the request id: each request gives one access line,
+    every line parses, and the parsed fields are what was sent."""
+    from urllib.parse import unquote
+
+    from kvroute.common.logs import parse_text_line
+
+    sent: dict[str, dict[str, str]] = {}  # request id -> the fields its access line must hold
+    async with emulated_replicas(1) as reps:
+        proc, url = await _start_router([reps[0].url], "--log-level", "info", "--api-keys", KEY)
+        try:
+            await _wait_ready(url)
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as client:
+                model = MODEL + FORGED
+                with pytest.raises(openai.NotFoundError):
+                    await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                         extra_headers={"X-Request-Id": "inj-model"})
+                sent["inj-model"] = {"model": model, "path": "/v1/chat/completions", "status": "404"}
+                ok = await client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi" + FORGED}], max_tokens=2,
+                    user="user" + FORGED, extra_headers={"X-Request-Id": "inj-user"},
+                )
+                assert ok.http_response.status_code == 200
+                sent["inj-user"] = {"model": MODEL, "status": "200"}
+            # the path, without the key (an unknown path is answered 404 before any key is asked
+            # for): percent-encoded CR, LF, ESC and spaces
+            raw_path = "/v1/x" + "".join(f"%{b:02X}" if b < 0x21 or b > 0x7e else chr(b) for b in FORGED.encode())
+            status, headers = await _raw(url, f"GET {raw_path} HTTP/1.1\r\nHost: x\r\nX-Request-Id: inj-path\r\n".encode())
+            assert status == 404
+            sent["inj-path"] = {"method": "GET", "path": unquote(raw_path), "status": "404"}
+            # a request id or a session the router cannot take as sent: UTF-8 bidi override, NEL
+            status, headers = await _raw(url, (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 2\r\n").encode()
+                + "X-Request-Id: rid\u202e\u0085\r\nX-Session-ID: s\u202e\u2028x\r\n".encode(), b"{}")
+            assert status == 400, headers
+            sent[headers["x-request-id"]] = {"path": "/v1/chat/completions", "status": "400"}
+            # ESC in a header is refused by the HTTP parser before any handler: no access line
+            status, _ = await _raw(url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Session-ID: s\x1b[31m\r\n")
+            assert status == 400
+        finally:
+            stderr = await _stop(proc)
+
+    assert not any(c in stderr for c in "\r\x1b\u202e\u2028\x85")
+    parsed = [parse_text_line(line) for line in stderr.splitlines()]  # every line is one record
+    access = [p for p in parsed if p.logger == "kvroute.access"]
+    assert sorted(p.fields["request_id"] for p in access) == sorted(sent), [p.fields for p in access]
+    for p in access:
+        want = sent[p.fields["request_id"]]
+        assert {k: p.fields.get(k) for k in want} == want, p
+    # the forged text is inside its request's fields and nowhere else
+    assert [p.fields["request_id"] for p in parsed if "forged" in p.msg + str(p.fields)] == ["inj-model", "inj-path"]

@@ -64,6 +64,7 @@ class Fleet:
         redis: aioredis.Redis | None = None,  # else created from settings.redis_url when needed
         registry: CollectorRegistry | None = None,  # where discovery counts its errors (the router's)
         follows_events: bool = True,  # False: no KV-event subscriber, every replica is routed on predictions
+        registration_secret: bytes | None = None,  # Redis registrations believed only signed with it
     ):
         self.settings = settings
         self.follows_events = follows_events
@@ -73,6 +74,7 @@ class Fleet:
         self.session = session
         self.index = index
         self._redis = redis  # Redis discovery's client, if the caller has one; else made from settings
+        self._registration_secret = registration_secret
         self._sources: list[DiscoverySource] = []
         self._discovery_metrics = DiscoveryMetrics(registry)
         self._auth_refusals = Counter(
@@ -120,12 +122,23 @@ class Fleet:
         s = self.settings
         sources: list[DiscoverySource] = [StaticSource(entry_url(e) for e in s.replicas)]
         if s.discovery_redis:
+            secret, metrics = self._registration_secret, self._discovery_metrics
             if self._redis is not None:
-                sources.append(RedisSource(self._redis, s.redis_key_prefix, s.discovery_timeout_s))
+                sources.append(
+                    RedisSource(self._redis, s.redis_key_prefix, s.discovery_timeout_s, secret=secret, metrics=metrics)
+                )
             elif s.redis_url:
-                sources.append(RedisSource.from_url(s.redis_url, s.redis_key_prefix, s.discovery_timeout_s))
+                sources.append(RedisSource.from_url(
+                    s.redis_url, s.redis_key_prefix, s.discovery_timeout_s, secret=secret, metrics=metrics
+                ))
             else:
                 raise ValueError("discovery_redis needs redis_url")
+            if self._registration_secret is None:
+                log.warning(
+                    "Redis discovery without a registration secret: whoever can write to Redis can add a replica "
+                    "or redirect one, and receive prompts and the replica API key; set --registration-secret-file "
+                    "on the routers and the replica launchers (docs/deploy.md)"
+                )
         if s.dns_name:
             sources.append(DnsSource(s.dns_name, scheme=s.dns_scheme, family=s.dns_family, timeout_s=s.discovery_timeout_s))
         if s.k8s_selector:

@@ -1,8 +1,11 @@
-"""Prometheus counters of the discovery sources that talk to an API (the Kubernetes watch)."""
+"""Prometheus counters of the discovery sources: the calls of those that talk to an API (the
+Kubernetes watch), and the Redis registrations a router does not believe."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
+
+from kvroute.common.registration_auth import REJECTIONS
 
 
 class DiscoveryMetrics:
@@ -22,6 +25,15 @@ class DiscoveryMetrics:
             ["source", "reason"],
             registry=r,
         )
+        self.rejected = Counter(
+            "kvroute_discovery_rejected",
+            "Redis registrations ignored for want of a valid signature (the router has a registration secret), "
+            "counted at each discovery round that lists them, by reason: unsigned, bad_signature, stale",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECTIONS:  # at zero from the start: an increase from nothing is seen
+            self.rejected.labels(reason)
         self.events = Counter(
             "kvroute_discovery_watch_events", "watch events received, by source and type", ["source", "type"], registry=r
         )

@@ -234,3 +234,30 @@ topologySpreadConstraints:
 {{- define "kvroute.restrictedVolumeSources" -}}
 configMap csi downwardAPI emptyDir ephemeral persistentVolumeClaim projected secret
 {{- end -}}
+
+{{/* Whether Redis registrations are signed: registration.signed, and the routers read
+registrations (router.discovery.redis with a Redis).  Routers then believe only signed ones. */}}
+{{- define "kvroute.registration.signed" -}}
+{{- if and .Values.registration.signed .Values.router.discovery.redis (include "kvroute.redis.configured" .) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.registration.secretName" -}}
+{{- default (printf "%s-registration" (include "kvroute.fullname" .)) .Values.registration.existingSecret -}}
+{{- end -}}
+
+{{/* The registration secret as a file (never an environment value: it stays out of `env` dumps):
+the env entry, the volume mount and the volume of a pod that signs or verifies registrations. */}}
+{{- define "kvroute.registration.env" -}}
+- {name: KVROUTE_REGISTRATION_SECRET_FILE, value: /etc/kvroute/registration/secret}
+{{- end -}}
+
+{{- define "kvroute.registration.mount" -}}
+- {name: registration-secret, mountPath: /etc/kvroute/registration, readOnly: true}
+{{- end -}}
+
+{{- define "kvroute.registration.volume" -}}
+- name: registration-secret
+  secret:
+    secretName: {{ include "kvroute.registration.secretName" . | quote }}
+    items: [{key: {{ .Values.registration.existingSecretKey | quote }}, path: secret}]
+{{- end -}}
