@@ -1463,7 +1463,7 @@ def test_the_network_policy_check_refuses_what_no_rule_admits():
 # TLS: the router's listener, https replicas
 
 
-def test_chart_tls_mounts_the_secrets_and_sets_the_router_settings(monkeypatch):
+def test_chart_tls_mounts_the_secrets_and_sets_the_router_settings(monkeypatch, tmp_path):
     from kvroute.router.config import load_settings
 
     kinds = helm_template_values(CI_VALUES["tls"])
@@ -1484,6 +1484,9 @@ def test_chart_tls_mounts_the_secrets_and_sets_the_router_settings(monkeypatch):
     for key, value in env.items():
         if isinstance(value, str):
             monkeypatch.setenv(key, value)
+    secret = tmp_path / "registration-secret"  # the chart mounts the signing secret; read at start
+    secret.write_text(REGISTRATION_SECRET)
+    monkeypatch.setenv("KVROUTE_REGISTRATION_SECRET_FILE", str(secret))
     settings = load_settings([])
     assert str(settings.tls_cert_file) == "/etc/kvroute/tls/tls.crt" and str(settings.tls_key_file) == "/etc/kvroute/tls/tls.key"
     f = settings.fleet
