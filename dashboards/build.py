@@ -331,7 +331,7 @@ REPLICAS = dashboard(
               [(f"sum by (replica) (kvroute_replica_queued_prefill_tokens{{{TR}}})", "{{replica}}")],
               unit="short",
               description="Uncached prompt tokens sent to the replica whose first token has not come back."),
-        Panel("Learned prefill rate", [(f"avg by (replica) (kvroute_replica_prefill_rate{{{TR}}})", "{{replica}}")],
+        Panel("Learned prefill rate", [(f"avg by (replica) (kvroute_replica_prefill_tokens_per_second{{{TR}}})", "{{replica}}")],
               unit="short", description="Prompt tokens per second, learned from observed TTFTs (cost model)."),
         Panel("Engine: running requests",
               [(f"sum by (instance) (vllm:num_requests_running{{{MN}}} and on (instance) {ENGINES})", "{{instance}}")],

@@ -13,11 +13,12 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvroute.router.index.metrics import IndexMetrics
+from kvroute.router.process_metrics import register_process_metrics, workers_process_collector
 from kvroute.router.worker_metrics import MULTIPROCESS, PublishedCollector, remove_series, render_workers
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -28,6 +29,10 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 _ADDED_LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 UPSTREAM_STAGES = ("connect", "first_byte", "mid_stream", "auth")
+
+# No ``_created`` series: one more series per counter and histogram child that no query uses
+# (Prometheus' created-timestamp ingestion reads it from OpenMetrics/protobuf, not this text).
+disable_created_metrics()
 
 
 class ClientLabels:
@@ -59,7 +64,7 @@ REPLICA_GAUGES = (
     ("kvroute_replica_queued_prefill_tokens", "uncached prompt tokens sent there, first token pending", "livesum"),
     # each worker learns its own rate from its own requests: one series per worker (a pid label),
     # averaged as the dashboards average routers
-    ("kvroute_replica_prefill_rate", "learned prefill rate, tokens/s", "liveall"),
+    ("kvroute_replica_prefill_tokens_per_second", "learned prefill rate", "liveall"),
 )
 ReplicaRow = tuple[str, bool, str, int, int, float]  # name, healthy, breaker state, in flight, queued, rate
 
@@ -91,6 +96,50 @@ class ModelSeries:
     reuse_delivered: Any
     reuse_measured_prompt: Any
     ttft: Any
+    sre: SreSeries
+
+
+# -- SRE: what a model's clients get (end to end, TTFT, inter-token latency, output tokens) --------
+# seconds to minutes: a whole answer, its generation included
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# milliseconds: one decode step of an engine, batched or not
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class SreSeries:
+    """One model's children of the SRE metrics (``SreMetrics``), bound once."""
+
+    duration: Any
+    inter_token_latency: Any
+    output_tokens: Any
+
+
+class SreMetrics:
+    """Histograms and counters an SLO is written against, labelled by model only (bounded: models
+    the fleet serves, else ``unknown``).  TTFT is ``kvroute_ttft_seconds`` (above)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.duration = Histogram(
+            "kvroute_request_duration_seconds",
+            "end to end: from the request's arrival to the last byte of its answer, answered (2xx) requests",
+            ["model"], buckets=_DURATION_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.inter_token_latency = Histogram(
+            "kvroute_inter_token_latency_seconds",
+            "a stream's mean time between output tokens: (last event - first event) / (output tokens - 1)",
+            ["model"], buckets=_ITL_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.output_tokens = Counter(
+            "kvroute_output_tokens",
+            "output tokens of answered requests: the usage the replica reports, else a stream's events",
+            ["model"], registry=registry,
+        )  # fmt: skip
+
+    def model(self, model: str) -> SreSeries:
+        return SreSeries(
+            self.duration.labels(model), self.inter_token_latency.labels(model), self.output_tokens.labels(model)
+        )
 
 
 class RouterMetrics:
@@ -149,6 +198,8 @@ class RouterMetrics:
             multiprocess_mode="livemostrecent", registry=r,
         )
         self.index = IndexMetrics(r)  # the index client's calls, failures and rebuilds
+        self.sre = SreMetrics(r)  # end to end, inter-token latency, output tokens per model
+        register_process_metrics(r)  # process_*: this process, or the supervisor and its workers
         # series known from the start
         for reason in reasons:
             self.decisions.labels(policy, reason)
@@ -191,6 +242,7 @@ class RouterMetrics:
                 reuse_delivered=self.reuse_delivered.labels(model),
                 reuse_measured_prompt=self.reuse_measured_prompt.labels(model),
                 ttft=self.ttft.labels(model),
+                sre=self.sre.model(model),
             )
         return series
 
@@ -235,5 +287,5 @@ class RouterMetrics:
     def render(self, replicas: Collection[str] = ()) -> bytes:
         """The exposition; in multiprocess mode every worker's, ``replicas`` the fleet's current ones."""
         if MULTIPROCESS:
-            return render_workers(replicas)
+            return render_workers(replicas, workers_process_collector())
         return generate_latest(self.registry)

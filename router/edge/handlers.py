@@ -213,6 +213,9 @@ class Handlers:
                 ttft_s=opened.ttft_s if opened is not None else None,
                 attempts=attempts,
                 mid_stream_error=relayed.failure if relayed is not None else None,
+                duration_s=time.perf_counter() - started,
+                events=relayed.events if relayed is not None else 0,
+                decode_s=relayed.decode_s if relayed is not None else None,
             )
             if sent_at is not None:
                 self.metrics.added_latency.observe(sent_at - started)

@@ -107,6 +107,8 @@ class Relayed:
     failure: str | None = None  # the stream failed after its first byte (the replica's fault)
     rest: bytes = b""  # what the client still gets from :meth:`Proxy.finish`
     complete: bool = True  # the client has (or, after finish, will have) the whole answer
+    events: int = 0  # a stream's data events before [DONE] (output tokens when no usage is reported)
+    decode_s: float | None = None  # a stream's first event to its last: the output after the first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +121,9 @@ class Outcome:
     ttft_s: float | None = None
     attempts: int = 0
     mid_stream_error: str | None = None
+    duration_s: float | None = None  # end to end: arrival to the answer's last byte
+    events: int = 0  # Relayed.events
+    decode_s: float | None = None  # Relayed.decode_s
 
 
 def make_upstream_session(timeouts: Timeouts) -> aiohttp.ClientSession:
@@ -286,6 +291,7 @@ class Proxy:
         resp.headers["Cache-Control"] = "no-cache"
         failed: str | None = None
         held = b""  # from the answer's event on: sent by finish(), once the caller has read the answer
+        began = last_at = time.perf_counter()  # the first event came just now (open() read it)
         try:
             _nodelay(request.transport)
             await resp.prepare(request)
@@ -304,6 +310,7 @@ class Proxy:
                 try:
                     async with asyncio.timeout(idle):
                         chunk = await readany()
+                    last_at = time.perf_counter()
                 except TimeoutError:
                     failed = f"replica {replica} sent nothing for {idle:g} s"
                     break
@@ -327,7 +334,10 @@ class Proxy:
                 _in_background(_drain(upstream))
             else:
                 upstream.close()  # aborts the request on the engine if it is still running
-        return Relayed(resp, upstream.status, relay.usage, relay.answer, failed, held, relay.done and failed is None)
+        return Relayed(
+            resp, upstream.status, relay.usage, relay.answer, failed, held, relay.done and failed is None,
+            relay.events, last_at - began,
+        )  # fmt: skip
 
 
 _background: set[asyncio.Task[None]] = set()
