@@ -104,9 +104,11 @@ class RouterApp:
             s.fleet, self.session, index=self.index_client, registry=self.metrics.registry, follows_events=s.kv_events
         )
         self.fleet.subscribe(self._on_fleet_event)
+        self.metrics.replica_label = self.fleet.label  # series name a replica as discovery does
         self.metrics.bind_replicas(self._replica_gauges)
+        self.metrics.bind_replica_info(lambda: ((r.label or r.name, r.url, r.models) for r in self.fleet.replicas()))
         self.metrics.register_live(
-            KVEventsStateCollector(lambda: ((r.name, r.kv_events) for r in self.fleet.replicas()))
+            KVEventsStateCollector(lambda: ((r.label or r.name, r.kv_events) for r in self.fleet.replicas()))
         )
         # the engines' own prefix-cache counters, next to the router's delivered figure (counted by
         # one worker of several: each would count the same growth, and their counters add up)
@@ -157,6 +159,7 @@ class RouterApp:
                 topic=s.fleet.events_topic, silent_after_s=s.fleet.events_silent_after_s,
                 on_state=self.fleet.set_kv_events,
             )
+            self.kv_events.metrics.label_of = self.fleet.label
             self.fleet.subscribe(self.kv_events.on_fleet_event)
         try:
             await self.index_client.start()
@@ -272,4 +275,4 @@ class RouterApp:
         for st in replica_status(self.fleet, self.load):
             load = self.load.states.get(st.name)
             rate = load.prefill_rate if load is not None else 0.0
-            yield st.name, st.healthy, st.breaker_state, st.in_flight, st.queued_prefill_tokens, rate
+            yield st.label or st.name, st.healthy, st.breaker_state, st.in_flight, st.queued_prefill_tokens, rate

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from kvroute.router.index.metrics import IndexMetrics
 from kvroute.router.process_metrics import register_process_metrics, workers_process_collector
-from kvroute.router.worker_metrics import MULTIPROCESS, PublishedCollector, remove_series, render_workers
+from kvroute.router.worker_metrics import UNROUTED, MULTIPROCESS, PublishedCollector, remove_series, render_workers
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER_CLIENT = "other"
@@ -84,6 +84,25 @@ class _ReplicaCollector(Collector):
             for family, value in zip(families, values):
                 family.add_metric([name], value)
         yield from families
+
+
+class _ReplicaInfoCollector(Collector):
+    """``kvroute_replica_info{replica,url,model}`` = 1: the URL behind each ``replica`` label, one
+    series per model it serves (``model=""`` until its models are read)."""
+
+    multiprocess_modes = {"kvroute_replica_info": "livemax"}
+
+    def __init__(self, source: Callable[[], Iterable[tuple[str, str, Iterable[str]]]]):
+        self._source = source
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "kvroute_replica_info", "1 per replica and model: the URL behind the replica label", labels=["replica", "url", "model"]
+        )
+        for label, url, models in self._source():
+            for model in sorted(models) or [""]:
+                family.add_metric([label, url, model], 1.0)
+        yield family
 
 
 @dataclass
@@ -210,10 +229,27 @@ class RouterMetrics:
         self._decisions: dict[str, Any] = {}
         self._answered: dict[tuple[str, str, int], Any] = {}  # requests' children by (model, replica, status)
         self._published: list[PublishedCollector] = []
+        # -- replica labels: the name discovery gives (fleet/discovery/labels.py), not the URL ----
+        self.replica_label: Callable[[str], str] = str  # replica name (URL) -> label; the app binds the fleet's
+        self._labels_used: dict[str, str] = {}  # name -> the label its series were created with
 
     def bind_replicas(self, source: Callable[[], Iterable[ReplicaRow]]) -> None:
-        """``source`` yields (name, healthy, breaker state, in flight, queued tokens, prefill rate)."""
+        """``source`` yields (label, healthy, breaker state, in flight, queued tokens, prefill rate)."""
         self.register_live(_ReplicaCollector(source))
+
+    def bind_replica_info(self, source: Callable[[], Iterable[tuple[str, str, Iterable[str]]]]) -> None:
+        """``source`` yields (label, URL, models) per replica."""
+        self.register_live(_ReplicaInfoCollector(source))
+
+    def label(self, replica: str) -> str:
+        """The ``replica`` label of the replica named (by URL) ``replica``; ``none`` stays."""
+        if replica == UNROUTED:
+            return replica
+        label = self._labels_used[replica] = self.replica_label(replica)
+        return label
+
+    def upstream_failed(self, replica: str, stage: str) -> None:
+        self.upstream_failures.labels(self.label(replica), stage).inc()
 
     def register_live(self, collector: Collector) -> None:
         """A collector of gauges read at scrape time.  In multiprocess mode its values are written
@@ -257,7 +293,7 @@ class RouterMetrics:
         key = (model, replica, status)
         child = self._answered.get(key)
         if child is None:
-            child = self._answered[key] = self.requests.labels(model, replica, str(status))
+            child = self._answered[key] = self.requests.labels(model, self.label(replica), str(status))
         child.inc()
 
     def know_model(self, model: str, replicas: Iterable[str] = ()) -> None:
@@ -266,17 +302,19 @@ class RouterMetrics:
         for replica in replicas:
             if (model, replica) not in self._replicas:
                 self._replicas.add((model, replica))
-                self.requests.labels(model, replica, "200")
-                self.index_entries.labels(replica)
+                label = self.label(replica)
+                self.requests.labels(model, label, "200")
+                self.index_entries.labels(label)
                 for stage in UPSTREAM_STAGES:
-                    self.upstream_failures.labels(replica, stage)
+                    self.upstream_failures.labels(label, stage)
 
     def forget_replica(self, replica: str) -> None:
         """A replica left: drop every series naming it.  Replicas come and go (pods get new
         addresses on every restart): the series of departed ones must not pile up for ever."""
+        label = self._labels_used.pop(replica, replica)
         for metric, position in ((self.requests, 1), (self.upstream_failures, 0), (self.index_entries, 0)):
             # prometheus_client has no public way to list a metric's children
-            for labels in [labels for labels in metric._metrics if labels[position] == replica]:
+            for labels in [labels for labels in metric._metrics if labels[position] == label]:
                 remove_series(metric, *labels)
         self._replicas = {(m, r) for m, r in self._replicas if r != replica}
         self._answered = {key: child for key, child in self._answered.items() if key[1] != replica}
@@ -285,7 +323,7 @@ class RouterMetrics:
         self.cache_hostile.labels(self.client_label(client)).inc()
 
     def render(self, replicas: Collection[str] = ()) -> bytes:
-        """The exposition; in multiprocess mode every worker's, ``replicas`` the fleet's current ones."""
+        """The exposition; in multiprocess mode every worker's, ``replicas`` the labels of the fleet's current ones."""
         if MULTIPROCESS:
             return render_workers(replicas, workers_process_collector())
         return generate_latest(self.registry)

@@ -36,6 +36,7 @@ REPLICA_SCOPED = frozenset({
     "kvroute_replica_prefix_cache_queries_tokens", "kvroute_replica_prefix_cache_hits_tokens",
     "kvroute_replica_in_flight", "kvroute_replica_healthy", "kvroute_replica_breaker_state",
     "kvroute_replica_queued_prefill_tokens", "kvroute_replica_prefill_tokens_per_second", "kvroute_replica_kv_events_state",
+    "kvroute_replica_info",
 })  # fmt: skip
 UNROUTED = "none"  # the replica label of requests answered before any replica was chosen
 

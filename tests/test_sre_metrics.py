@@ -144,3 +144,36 @@ def _start(pid: int) -> float:
     ticks = os.sysconf("SC_CLK_TCK")
     boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
     return boot + float(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+
+
+async def test_the_replica_label_is_the_name_discovery_gives_and_the_url_is_in_an_info_series(redis_url, redis_prefix):
+    """A static entry named in the config file, one by URL alone (its host:port), a Redis
+    registration's name: each replica's series carry that label, never its URL, and
+    ``kvroute_replica_info`` maps it to the URL."""
+    import redis.asyncio as aioredis
+
+    from kvroute.common.registration import ReplicaRecord, register
+
+    async with emulated_replicas(3) as (named, plain, registered):
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await register(client, redis_prefix, ReplicaRecord(url=registered.url, name="vllm-7", model=MODEL), ttl=60)
+            fleet = {"discovery_redis": True, "redis_url": redis_url, "redis_key_prefix": redis_prefix}
+            replicas = [{"url": named.url, "name": "gpu-0"}, plain.url]
+            async with running_router(replicas, fleet=fleet, policy="round_robin") as app:
+                client_ai = openai_client(app)
+                for i in range(6):
+                    await client_ai.completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=2)
+                samples = await scrape(app.url)
+                text = await metrics_text(app.url)
+        finally:
+            await client.aclose()
+    expected = {"gpu-0": named.url, plain.url.split("://")[1]: plain.url, "vllm-7": registered.url}
+    for replica, url in expected.items():
+        assert sample(samples, "kvroute_replica_info", replica=replica, url=url, model=MODEL) == 1
+        assert sample(samples, "kvroute_requests_total", model=MODEL, replica=replica, status="200") == 2
+        assert sample(samples, "kvroute_replica_healthy", replica=replica) == 1
+        assert sample(samples, "kvroute_replica_prefill_tokens_per_second", replica=replica) >= 0
+    # no series names a replica by its URL, but the info series' url label
+    for url in expected.values():
+        assert all(f'replica="{url}"' not in line for line in text.splitlines()), url

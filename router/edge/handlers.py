@@ -138,7 +138,7 @@ class Handlers:
         """A replica failed a request (``stage``: None when it was only busy): its breaker counts it;
         one that refused the router's API key is reported as such (logged, counted)."""
         if stage is not None:
-            self.metrics.upstream_failures.labels(replica, stage).inc()
+            self.metrics.upstream_failed(replica, stage)
             self.fleet.report_failure(replica)
             if stage == "auth":
                 self.fleet.report_auth_refused(replica, status, "a proxied request")
@@ -307,7 +307,7 @@ class Handlers:
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             raise cut_short(exc, ended(503 if self.cutoff.cutting else 499))
         finally:
-            self.metrics.requests.labels(model or "unknown", replica or "none", str(status)).inc()
+            self.metrics.requests.labels(model or "unknown", self.metrics.label(replica or "none"), str(status)).inc()
             self.admission.release()
 
     def _passthrough_replicas(self, model: Any) -> tuple[str, list[Replica]]:
@@ -353,9 +353,9 @@ class Handlers:
         for r in self.fleet.replicas():
             count = await self.index.entry_count(r.name)  # None: failed, counted
             if count is not None:
-                self.metrics.index_entries.labels(r.name).set(count)
+                self.metrics.index_entries.labels(self.metrics.label(r.name)).set(count)
         self.metrics.publish()  # several workers: this one's live values, fresh (the others' are <= 1 s old)
-        body = self.metrics.render({r.name for r in self.fleet.replicas()})
+        body = self.metrics.render({self.metrics.label(r.name) for r in self.fleet.replicas()})
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     # -- admin --------------------------------------------------------------------------------
