@@ -21,6 +21,8 @@ requests in flight finish (up to ``drain_timeout_s``).
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 from collections.abc import Iterable
 
@@ -57,6 +59,7 @@ from kvroute.router.request.prompt import PromptBuilder
 from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.router.request.reuse import ReuseTracker
 from kvroute.router.request.route import Router
+from kvroute.router.tracing import make_tracing
 from kvroute.router.worker_metrics import WorkerMetrics
 from kvroute.router.workers import WorkerRole
 
@@ -79,6 +82,7 @@ class RouterApp:
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         s = self.settings
+        self.tracing = make_tracing(s.tracing, s.policy)  # first: a missing extra fails the start now
         keep_large_buffers_mapped()  # a huge request's buffers go back to the OS once freed
         self.timeouts = Timeouts(s.connect_timeout_s, s.first_byte_timeout_s, s.idle_timeout_s)
         client_templates = None
@@ -144,6 +148,7 @@ class RouterApp:
             responses=self.responses,
             index=self.index_client,
             metrics=self.metrics,
+            tracing=self.tracing,
             peers=self._worker,
         )
         if not (s.fleet.replicas or s.fleet.discovery_redis or s.fleet.dns_name or s.fleet.k8s_selector):
@@ -253,6 +258,7 @@ class RouterApp:
         await self.upstream.close()
         await self.index.close()
         await self.tokenizers.aclose()
+        await asyncio.to_thread(self.tracing.shutdown)  # the last spans exported (blocking: off the loop)
 
     async def __aenter__(self) -> RouterApp:
         await self.start()

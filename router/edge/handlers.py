@@ -41,6 +41,7 @@ from kvroute.router.placement.load import LoadTracker
 from kvroute.router.request.accounting import Accounting
 from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.router.request.route import Route, Router
+from kvroute.router.tracing import NO_SPAN, Span, Tracing, client_trace_headers
 
 log = logging.getLogger("kvroute.router")
 
@@ -97,6 +98,7 @@ class Handlers:
         responses: ResponseMemory,
         index: IndexClient,
         metrics: RouterMetrics,
+        tracing: Tracing,
         peers: Peers | None,
     ):
         self.settings = settings
@@ -111,6 +113,7 @@ class Handlers:
         self.responses = responses
         self.index = index
         self.metrics = metrics
+        self.tracing = tracing  # router/tracing.py: the client's trace context on, spans with --tracing
         self.peers = peers  # one of --workers N (router/workers.py), or None: the only process
 
     def add_routes(self, app: web.Application) -> None:
@@ -179,6 +182,8 @@ class Handlers:
         rid = request[REQUEST_ID]
         model: str | None = None
         model_label = "unknown"
+        trace = self.tracing.request(request.headers, f"{request.method} {request.path}")
+        route_span = trace.route()
         try:
             if kind == "chat":
                 self.router.refuse_oversized_chat(raw)  # before the body is parsed, rendered, tokenized
@@ -192,17 +197,22 @@ class Handlers:
             route = await self.router.route(parsed, request_id=rid, session_header=session, api_key=api_key, pin=pin)
         except (ApiError, web.HTTPException) as exc:
             self.metrics.requests.labels(model_label, "none", str(exc.status)).inc()
+            route_span.end(exc.status)
+            trace.end(exc.status, model=model_label)
             if len(raw) >= GIVE_BACK_AFTER_BYTES:
                 give_back_memory()
             if isinstance(exc, ApiError):
                 return answered(exc.response(), Exchange(model=model))
             raise
 
+        route_span.set(model=model_label, replica=self.metrics.label(route.replica), prompt_tokens=route.prompt.tokens)
+        route_span.end()
         body = parsed.forward_body(route.additions)  # type: ignore[arg-type]
         attempts, sent_at = 0, None
         replica = route.replica  # the last one tried
         opened: Opened | None = None
         relayed: Relayed | None = None
+        upstream_span: Span = NO_SPAN  # the attempt in progress (tracing)
 
         def ended(status: int) -> Exchange:
             """The request is over: its outcome, reported; what the access log writes."""
@@ -222,6 +232,11 @@ class Handlers:
             cached = self.accounting.report(route, outcome)
             if 200 <= status < 300:  # the hit-rate breakdown, once the answer is written
                 asyncio.get_running_loop().call_soon(self.accounting.account, route, cached)
+            output = outcome.usage.completion_tokens if outcome.usage is not None else None
+            upstream_span.set(cached_tokens=cached, output_tokens=output)
+            upstream_span.end(outcome.status)
+            trace.end(status, model=model_label, replica=self.metrics.label(replica), cached_tokens=cached,
+                      attempts=attempts)
             return Exchange(model, route, outcome, cached)
 
         try:
@@ -229,12 +244,18 @@ class Handlers:
             while True:
                 attempts, replica = attempts + 1, route.replica  # counted while in flight, as sent
                 sent_at = time.perf_counter() if sent_at is None else sent_at
+                upstream_span, trace_headers = trace.upstream(
+                    replica=self.metrics.label(route.replica), url=route.url, attempt=attempts
+                )
                 attempt = await self.proxy.open(
-                    route.replica, route.url, request.path, body, request_id=rid, stream=parsed.stream
+                    route.replica, route.url, request.path, body, request_id=rid, stream=parsed.stream,
+                    trace_headers=trace_headers,
                 )
                 if isinstance(attempt, Opened):
                     opened = attempt
                     break
+                upstream_span.end(attempt.status)
+                upstream_span = NO_SPAN
                 failure = attempt
                 self._replica_failed(attempt.replica, attempt.stage, attempt.replica_status)
                 rerouted: Route | None = self.router.reroute(route)
@@ -289,7 +310,7 @@ class Handlers:
             for name in order:  # no routing: tried in order
                 attempts, replica = attempts + 1, name  # counted while in flight, as sent
                 attempt = await self.proxy.open(name, self._url(name), request.path, raw, request_id=request[REQUEST_ID],
-                                                stream=False)
+                                                stream=False, trace_headers=client_trace_headers(request.headers))
                 if isinstance(attempt, Unanswered):
                     failure = attempt
                     self._replica_failed(name, attempt.stage, attempt.replica_status)

@@ -166,21 +166,23 @@ class Proxy:
         # what every upstream request carries (the replicas' own API key), merged once
         self._fixed_headers = {**upstream_headers, "Content-Type": "application/json"}
 
-    def _headers(self, request_id: str) -> dict[str, str]:
-        return {**self._fixed_headers, "X-Request-Id": request_id}
+    def _headers(self, request_id: str, trace_headers: Mapping[str, str]) -> dict[str, str]:
+        return {**self._fixed_headers, **trace_headers, "X-Request-Id": request_id}
 
     async def open(
-        self, replica: str, url: str | None, path: str, body: bytes, *, request_id: str, stream: bool
+        self, replica: str, url: str | None, path: str, body: bytes, *, request_id: str, stream: bool,
+        trace_headers: Mapping[str, str] = {},  # noqa: B006 - read only
     ) -> Opened | Unanswered:
         """Send ``body`` to ``replica`` (at ``url``; None: it left the fleet) and wait for its first
-        byte (a stream's first event, or a whole non-streamed answer)."""
+        byte (a stream's first event, or a whole non-streamed answer).  ``trace_headers``: the W3C
+        trace context the replica gets (router/tracing.py)."""
         sent = time.perf_counter()
         upstream: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(self.timeouts.first_byte_s):
                 if url is None:  # left the fleet between the decision and now
                     raise UpstreamError(f"replica {replica} is gone")
-                upstream = await self.pool.request(url, path, self._headers(request_id), body)
+                upstream = await self.pool.request(url, path, self._headers(request_id, trace_headers), body)
                 if upstream.status in _AUTH_STATUSES:
                     await upstream.read()
                     upstream.release()
