@@ -154,7 +154,7 @@ async def test_a_replica_that_leaves_leaves_no_series_or_state_behind(redis_url,
                 hearts[1].cancel()  # `lapsing` stops heartbeating: its registration expires, it leaves
                 await _within(5.0, lambda: app.fleet.get(lapsing.url) is None)
                 after = await scrape(app.url)
-                assert not [key for key in after if ("replica", lapsing.url) in key[1]]
+                assert not [key for key in after if ("replica", label(lapsing.url)) in key[1]]
                 assert total(after, "kvroute_requests_total", replica=label(kept.url)) == 2
                 assert lapsing.url not in app.load.states
         finally:
