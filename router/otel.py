@@ -16,6 +16,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvroute.router.spans import NO_SPAN, Span
+
 log = logging.getLogger("kvroute.router")
 _W3C = TraceContextTextMapPropagator()  # traceparent/tracestate, whatever OTEL_PROPAGATORS says elsewhere
 
@@ -73,7 +75,7 @@ _ATTRIBUTES = {
 
 
 class _OtelRequestTrace:
-    __slots__ = ("_tracer", "_span", "_context", "_policy")
+    __slots__ = ("_tracer", "_span", "_context", "_policy", "_recording")
 
     def __init__(self, tracer: Any, headers: Mapping[str, str], name: str, policy: str):
         self._tracer = tracer
@@ -81,13 +83,22 @@ class _OtelRequestTrace:
         parent = _W3C.extract(headers)  # the client's trace, or none: this span starts one
         self._span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
         self._context = trace.set_span_in_context(self._span)
+        # not sampled: its children would not be either, so none are made (a third of the cost of
+        # tracing per request); the replica gets this span's context, marked not sampled
+        self._recording = self._span.is_recording()
 
-    def route(self) -> _OtelSpan:
+    def route(self) -> _OtelSpan | Span:
+        if not self._recording:
+            return NO_SPAN
         span = _OtelSpan(self._tracer.start_span("kvroute.route", context=self._context), 500)
         span.set(policy=self._policy)
         return span
 
-    def upstream(self, **attributes: Any) -> tuple[_OtelSpan, dict[str, str]]:
+    def upstream(self, **attributes: Any) -> tuple[_OtelSpan | Span, dict[str, str]]:
+        if not self._recording:
+            unsampled: dict[str, str] = {}
+            _W3C.inject(unsampled, context=self._context)
+            return NO_SPAN, unsampled
         span = self._tracer.start_span("kvroute.upstream", context=self._context, kind=SpanKind.CLIENT)
         headers: dict[str, str] = {}
         _W3C.inject(headers, context=trace.set_span_in_context(span))
@@ -96,6 +107,9 @@ class _OtelRequestTrace:
         return traced, headers
 
     def end(self, status: int, **attributes: Any) -> None:
+        if not self._recording:
+            self._span.end()
+            return
         span = _OtelSpan(self._span, 500)
         span.set(policy=self._policy, **attributes)
         span.end(status)

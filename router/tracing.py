@@ -22,7 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvroute.router.spans import NO_SPAN, Span
+
 TRACE_HEADERS = ("traceparent", "tracestate")
+__all__ = ["NO_SPAN", "RequestTrace", "Span", "Tracing", "client_trace_headers", "make_tracing"]
 MISSING_EXTRA = "--tracing needs OpenTelemetry: pip install 'kvroute[otel]' (opentelemetry-api, -sdk, -exporter-otlp)"
 DEFAULT_SERVICE_NAME = "kvroute-router"
 
@@ -30,21 +33,6 @@ DEFAULT_SERVICE_NAME = "kvroute-router"
 def client_trace_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The client's W3C trace context, to pass on as it came."""
     return {name: value for name in TRACE_HEADERS if (value := headers.get(name))}
-
-
-class Span:
-    """A span that records nothing (tracing off)."""
-
-    __slots__ = ()
-
-    def set(self, **attributes: Any) -> None:
-        pass
-
-    def end(self, status: int | None = None) -> None:
-        pass
-
-
-NO_SPAN = Span()
 
 
 class RequestTrace:

@@ -181,3 +181,15 @@ def test_the_console_exporter_is_chosen_by_the_environment(monkeypatch):
         exporter_from_env()
 
 
+
+
+async def test_a_trace_the_client_does_not_sample_records_nothing_and_stays_unsampled(spans):
+    """The SDK's default sampler follows the parent: a client's unsampled trace gets no spans,
+    and the replica is told the trace is not sampled (flags 00), under the router's span."""
+    spans.clear()
+    unsampled = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"
+    async with RecordingReplica() as replica, running_router([replica.url], tracing=True) as app:
+        await chat(openai_client(app), {"traceparent": unsampled})
+    assert spans.get_finished_spans() == ()
+    version, trace_id, parent, flags = replica.headers[0]["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", CLIENT_TRACE, "00") and parent != CLIENT_SPAN
