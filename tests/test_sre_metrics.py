@@ -177,3 +177,21 @@ async def test_the_replica_label_is_the_name_discovery_gives_and_the_url_is_in_a
     # no series names a replica by its URL, but the info series' url label
     for url in expected.values():
         assert all(f'replica="{url}"' not in line for line in text.splitlines()), url
+
+
+async def test_an_alerts_replica_label_drains_it_through_the_admin_api():
+    """What an alert names (the label) is what the admin API takes, beside the URL."""
+    async with emulated_replicas(2) as (named, other):
+        replicas = [{"url": named.url, "name": "gpu-0"}, other.url]
+        async with running_router(replicas, admin_token="admin-secret") as app:
+            headers = {"Authorization": "Bearer admin-secret"}
+            async with aiohttp.ClientSession(headers=headers) as http:
+                async with http.post(app.url + "/admin/replicas/drain", json={"replica": "gpu-0"}) as resp:
+                    assert resp.status == 200 and await resp.json() == {"replica": named.url, "draining": True}
+                async with http.get(app.url + "/admin/replicas") as resp:
+                    states = {r["label"]: (r["name"], r["draining"]) for r in (await resp.json())["replicas"]}
+                assert states == {"gpu-0": (named.url, True), other.url.split("://")[1]: (other.url, False)}
+                async with http.post(app.url + "/admin/replicas/undrain", json={"replica": named.url}) as resp:
+                    assert resp.status == 200 and (await resp.json())["draining"] is False
+                async with http.post(app.url + "/admin/replicas/drain", json={"replica": "gpu-9"}) as resp:
+                    assert resp.status == 404 and (await resp.json())["error"]["code"] == "replica_not_found"

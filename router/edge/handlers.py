@@ -385,11 +385,13 @@ class Handlers:
         return web.json_response({"replicas": [asdict(st) for st in replica_status(self.fleet, self.load)]})
 
     async def _admin_body_replica(self, request: web.Request) -> str:
+        """The replica the body names, by its name (URL) or its metrics label (what alerts name)."""
         body = decode_json_object(await self.bodies.read(request))
         name = body.get("replica")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "missing required parameter: 'replica'", param="replica", code="missing_required_parameter")
-        return name
+        replica = self.fleet.find(name)
+        return replica.name if replica is not None else name
 
     async def admin_drain(self, request: web.Request) -> web.Response:
         self.admission.check_admin(request)

@@ -283,6 +283,13 @@ class Fleet:
         if self._loops and r.healthy:  # else the next sync (mark up, scrape) tells the index
             self._spawn(r, "index", self._sync_index)
 
+    def find(self, name_or_label: str) -> Replica | None:
+        """A replica by its name (URL) or by its metrics label (what an alert names; unique)."""
+        r = self._replicas.get(name_or_label)
+        if r is None:
+            r = next((r for r in self._replicas.values() if r.label == name_or_label), None)
+        return r
+
     async def drain(self, name: str) -> bool:
         """Stop routing new requests to it (in-flight ones finish).  False if unknown."""
         r = self._replicas.get(name)
