@@ -444,6 +444,8 @@ def test_chart_replicas_request_gpus_and_are_discovered_through_a_headless_servi
     assert args.model_path == args.model
     # registered as http://<pod IP>:8000, the address the headless service resolves to
     assert args.advertise_host == "$(POD_IP)" and env_of(c)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # under the pod's name, the routers' replica label (stable: a StatefulSet's pod keeps its name)
+    assert args.name == "$(POD_NAME)" and env_of(c)["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router")
     assert env_of(c)["KVROUTE_REDIS_URL"] == env_of(router["spec"]["template"]["spec"]["containers"][0])["KVROUTE_REDIS_URL"]
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
