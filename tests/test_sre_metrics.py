@@ -195,3 +195,18 @@ async def test_an_alerts_replica_label_drains_it_through_the_admin_api():
                     assert resp.status == 200 and (await resp.json())["draining"] is False
                 async with http.post(app.url + "/admin/replicas/drain", json={"replica": "gpu-9"}) as resp:
                     assert resp.status == 404 and (await resp.json())["error"]["code"] == "replica_not_found"
+
+
+def test_a_label_two_replicas_would_share_or_the_reserved_one_falls_back_to_the_url():
+    from kvroute.common.registration import ReplicaRecord
+    from kvroute.router.fleet.discovery import replica_label, unique_labels
+
+    a, b, c, d = (f"http://10.0.0.{i}:8000" for i in range(1, 5))
+    labels = {
+        a: replica_label(a, [None, "gpu-0"], None),  # the first name a source gives
+        b: replica_label(b, ["gpu-0"], None),  # the same name again
+        c: replica_label(c, [], ReplicaRecord(url=c, name="none")),  # the unrouted requests' label
+        d: replica_label(d, [None], ReplicaRecord(url=d)),  # a registration named by its URL
+    }
+    assert labels == {a: "gpu-0", b: "gpu-0", c: "none", d: "10.0.0.4:8000"}
+    assert unique_labels(labels) == {a: a, b: b, c: c, d: "10.0.0.4:8000"}
