@@ -33,16 +33,16 @@ lint-imports: install
 # newest), the test tools at the newest release that leaves those alone, and a fast subset of tests
 # (< 2 min): every module imports, a router in front of emulated replicas answering the openai
 # client, slow and broken clients against the server built on aiohttp's internals, the tokenizers,
-# routers sharing Redis, KV events over ZMQ, Kubernetes discovery.
+# routers sharing Redis, KV events over ZMQ, Kubernetes discovery, OpenTelemetry spans (--tracing).
 LOWEST_VENV ?= .venv-lowest
 LOWEST_TESTS ?= tests/test_imports.py tests/test_dependency_floors.py tests/test_aiohttp_internals.py \
 	tests/test_router_openai.py tests/test_router_clients.py tests/test_tokens.py tests/test_tokenizer_hub.py \
-	tests/test_router_redis.py tests/test_kv_events.py tests/test_k8s_discovery.py
+	tests/test_router_redis.py tests/test_kv_events.py tests/test_k8s_discovery.py tests/test_tracing.py
 .PHONY: test-lowest
 test-lowest: install
 	rm -rf $(LOWEST_VENV)
 	$(BIN)/uv venv --quiet --python $(PY) $(LOWEST_VENV) || $(BIN)/uv venv --quiet --python python3 $(LOWEST_VENV)
-	VIRTUAL_ENV=$(abspath $(LOWEST_VENV)) $(BIN)/uv pip install --quiet --resolution lowest-direct -e '.[k8s]'
+	VIRTUAL_ENV=$(abspath $(LOWEST_VENV)) $(BIN)/uv pip install --quiet --resolution lowest-direct -e '.[k8s,otel]'
 	VIRTUAL_ENV=$(abspath $(LOWEST_VENV)) $(BIN)/uv pip freeze --exclude-editable > $(LOWEST_VENV)/runtime.txt
 	$(BIN)/python -c 'import tomllib; t = tomllib.load(open("pyproject.toml", "rb")); \
 		print("\n".join(r for r in t["project"]["optional-dependencies"]["test"] if r.split("[")[0].split(">")[0] \

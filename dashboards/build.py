@@ -10,12 +10,12 @@ against a real Prometheus scraping a router under load.
 
 Variables: ``$datasource`` (a Prometheus); ``$namespace`` and ``$job`` (the routers' scrape
 targets); ``$model`` (kvroute's ``model`` label, which equals vLLM's ``model_name``); ``$replica``
-(kvroute's ``replica`` label: a replica's base URL).  Each is read with ``label_values`` and has an
+(kvroute's ``replica`` label: the name discovery gives a replica, its URL in ``kvroute_replica_info``).  Each is read with ``label_values`` and has an
 "All" option (the regex ``.*``).  Every panel honours ``$namespace``, ``$job`` and ``$replica``:
 series with a ``replica`` label are filtered by it; router-wide series (latency, decisions, the
 index) are those of the routers that front a selected replica; the engines' series (``vllm:*``,
-by ``instance``, the replica's host:port) are those whose ``instance`` is a selected replica's
-host:port.  Every panel declares its unit and says what it shows.
+by ``instance``, the replica's host:port) are those whose ``instance`` is the host:port of a selected
+replica's URL (``kvroute_replica_info``).  Every panel declares its unit and says what it shows.
 """
 
 from __future__ import annotations
@@ -144,8 +144,10 @@ S5 = 'status=~"5.."'
 ROUTED = 'replica!="none"'
 # the routers that front a selected replica, and the engines' scrape targets that are one
 ROUTERS = f"group by (namespace, job, instance) (kvroute_replica_healthy{{{TR}}})"
-ENGINES = (f'label_replace(group by (replica) (kvroute_replica_healthy{{{TR}}}), '
-           f'"instance", "$1", "replica", "[a-z]+://([^/]+).*")')
+# (the replica label is the name discovery gives; its URL, whose host:port is the engine's
+# instance, is in kvroute_replica_info)
+ENGINES = (f'label_replace(group by (replica, url) (kvroute_replica_info{{{TR}}}), '
+           f'"instance", "$1", "url", "[a-z]+://([^/]+).*")')
 BREAKER = [{"type": "value", "options": {"0": {"text": "closed", "color": "green"},
                                           "1": {"text": "half-open", "color": "orange"},
                                           "2": {"text": "open", "color": "red"}}}]
@@ -230,6 +232,26 @@ FLEET = dashboard(
               [(_q(0.5, "le, model_name", erate("vllm:time_to_first_token_seconds_bucket")), "p50 {{model_name}}"),
                (_q(0.99, "le, model_name", erate("vllm:time_to_first_token_seconds_bucket")), "p99 {{model_name}}")],
               unit="s", description="The engines' own time to first token, per model." + ENGINE_SIDE),
+        # -- what clients get: end to end, inter-token latency, output tokens (with TTFT above) -----
+        Panel("End-to-end duration",
+              [(_q(0.5, "le, model", rrate("kvroute_request_duration_seconds_bucket", TM)), "p50 {{model}}"),
+               (_q(0.99, "le, model", rrate("kvroute_request_duration_seconds_bucket", TM)), "p99 {{model}}")],
+              unit="s", width=6, description="From a request's arrival to the last byte of its answer, answered (2xx) "
+                                             "requests, per model." + ROUTER_WIDE),
+        Panel("Inter-token latency",
+              [(_q(0.5, "le, model", rrate("kvroute_inter_token_latency_seconds_bucket", TM)), "p50 {{model}}"),
+               (_q(0.99, "le, model", rrate("kvroute_inter_token_latency_seconds_bucket", TM)), "p99 {{model}}")],
+              unit="s", width=6, description="A stream's mean time between output tokens (its decode speed as the "
+                                             "client sees it), per model." + ROUTER_WIDE),
+        Panel("Output tokens / s",
+              [(f"sum by (model) ({rrate('kvroute_output_tokens_total', TM)})", "{{model}}")],
+              unit="short", width=6, description="Output tokens of answered requests per second (the replicas' usage, "
+                                                 "else a stream's events), per model." + ROUTER_WIDE),
+        Panel("Output tokens per answer",
+              [(f"sum by (model) ({rrate('kvroute_output_tokens_total', TM)})\n"
+                f"  / sum by (model) ({rrate('kvroute_request_duration_seconds_count', TM)})", "{{model}}")],
+              unit="short", width=6, description="Mean output tokens of an answered request, per model: a change "
+                                                 "explains a change of end-to-end duration." + ROUTER_WIDE),
         Panel("Routing decisions by reason",
               [(f"sum by (policy, reason) ({rrate('kvroute_routing_decisions_total')})", "{{policy}} {{reason}}")],
               unit="ops", description="cache: the chosen replica holds a prefix; load: none does, least work; "
@@ -239,6 +261,14 @@ FLEET = dashboard(
               [(f"sum by (stage) ({rate('kvroute_upstream_failures_total', TR)})", "{{stage}}")],
               unit="ops", description="connect / first_byte failures are retried on another replica; "
                                       "mid_stream ones end the stream with an error event."),
+        Panel("Router CPU",
+              [(f"sum by (instance) ({rrate('process_cpu_seconds_total')})", "{{instance}}")],
+              unit="short", description="Cores each router uses (with --workers: its supervisor and workers "
+                                        "together)." + ROUTER_WIDE),
+        Panel("Router memory",
+              [(f"sum by (instance) ({routed(f'process_resident_memory_bytes{{{T}}}')})", "{{instance}}")],
+              unit="bytes", description="Resident memory of each router (with --workers: its processes summed)."
+                                        + ROUTER_WIDE),
     ],
 )
 
@@ -331,7 +361,7 @@ REPLICAS = dashboard(
               [(f"sum by (replica) (kvroute_replica_queued_prefill_tokens{{{TR}}})", "{{replica}}")],
               unit="short",
               description="Uncached prompt tokens sent to the replica whose first token has not come back."),
-        Panel("Learned prefill rate", [(f"avg by (replica) (kvroute_replica_prefill_rate{{{TR}}})", "{{replica}}")],
+        Panel("Learned prefill rate", [(f"avg by (replica) (kvroute_replica_prefill_tokens_per_second{{{TR}}})", "{{replica}}")],
               unit="short", description="Prompt tokens per second, learned from observed TTFTs (cost model)."),
         Panel("Engine: running requests",
               [(f"sum by (instance) (vllm:num_requests_running{{{MN}}} and on (instance) {ENGINES})", "{{instance}}")],

@@ -22,6 +22,8 @@ requests in flight finish (up to ``drain_timeout_s``).
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import ssl
 from collections.abc import Iterable
@@ -61,6 +63,7 @@ from kvroute.router.request.response_homes import ResponseHomes
 from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.router.request.reuse import ReuseTracker
 from kvroute.router.request.route import Router
+from kvroute.router.tracing import make_tracing
 from kvroute.router.worker_metrics import WorkerMetrics
 from kvroute.router.workers import WorkerRole
 
@@ -83,6 +86,7 @@ class RouterApp:
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         s = self.settings
+        self.tracing = make_tracing(s.tracing, s.policy)  # first: a missing extra fails the start now
         keep_large_buffers_mapped()  # a huge request's buffers go back to the OS once freed
         self.timeouts = Timeouts(s.connect_timeout_s, s.first_byte_timeout_s, s.idle_timeout_s)
         listener_tls, upstream_tls = self._tls_contexts()  # first: a bad file stops the router before anything runs
@@ -110,9 +114,11 @@ class RouterApp:
             registration_secret=s.registration_key(),
         )
         self.fleet.subscribe(self._on_fleet_event)
+        self.metrics.replica_label = self.fleet.label  # series name a replica as discovery does
         self.metrics.bind_replicas(self._replica_gauges)
+        self.metrics.bind_replica_info(lambda: ((r.label or r.name, r.url, r.models) for r in self.fleet.replicas()))
         self.metrics.register_live(
-            KVEventsStateCollector(lambda: ((r.name, r.kv_events) for r in self.fleet.replicas()))
+            KVEventsStateCollector(lambda: ((r.label or r.name, r.kv_events) for r in self.fleet.replicas()))
         )
         # the engines' own prefix-cache counters, next to the router's delivered figure (counted by
         # one worker of several: each would count the same growth, and their counters add up)
@@ -153,6 +159,7 @@ class RouterApp:
             response_homes=self.response_homes,
             index=self.index_client,
             metrics=self.metrics,
+            tracing=self.tracing,
             peers=self._worker,
         )
         if not (s.fleet.replicas or s.fleet.discovery_redis or s.fleet.dns_name or s.fleet.k8s_selector):
@@ -168,6 +175,7 @@ class RouterApp:
                 topic=s.fleet.events_topic, silent_after_s=s.fleet.events_silent_after_s,
                 on_state=self.fleet.set_kv_events,
             )
+            self.kv_events.metrics.label_of = self.fleet.label
             self.fleet.subscribe(self.kv_events.on_fleet_event)
         try:
             await self.index_client.start()
@@ -274,6 +282,7 @@ class RouterApp:
         await self.index.close()
         await self.response_homes.close()
         await self.tokenizers.aclose()
+        await asyncio.to_thread(self.tracing.shutdown)  # the last spans exported (blocking: off the loop)
 
     async def __aenter__(self) -> RouterApp:
         await self.start()
@@ -296,4 +305,4 @@ class RouterApp:
         for st in replica_status(self.fleet, self.load):
             load = self.load.states.get(st.name)
             rate = load.prefill_rate if load is not None else 0.0
-            yield st.name, st.healthy, st.breaker_state, st.in_flight, st.queued_prefill_tokens, rate
+            yield st.label or st.name, st.healthy, st.breaker_state, st.in_flight, st.queued_prefill_tokens, rate

@@ -254,6 +254,11 @@ class RouterSettings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="log lines: text, or json (one object per line: ts, level, logger, msg and the fields)"
     )
+    tracing: bool = Field(
+        False, description="OpenTelemetry spans of each routed request (the route decision, each upstream attempt), "
+        "configured by the OTEL_* environment variables; needs pip install 'kvroute[otel]'. Off, a client's "
+        "traceparent/tracestate still reach the replica unchanged"
+    )
     access_log: bool = Field(
         True, description="a log line per API request once answered (logger kvroute.access: request id, model, "
         "replica, status, tokens, cached tokens, TTFT, duration)"

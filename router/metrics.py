@@ -13,12 +13,13 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvroute.router.index.metrics import IndexMetrics
-from kvroute.router.worker_metrics import MULTIPROCESS, PublishedCollector, remove_series, render_workers
+from kvroute.router.process_metrics import register_process_metrics, workers_process_collector
+from kvroute.router.worker_metrics import UNROUTED, MULTIPROCESS, PublishedCollector, remove_series, render_workers
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER_CLIENT = "other"
@@ -28,6 +29,10 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 _ADDED_LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 UPSTREAM_STAGES = ("connect", "first_byte", "mid_stream", "auth")
+
+# No ``_created`` series: one more series per counter and histogram child that no query uses
+# (Prometheus' created-timestamp ingestion reads it from OpenMetrics/protobuf, not this text).
+disable_created_metrics()
 
 
 class ClientLabels:
@@ -59,7 +64,7 @@ REPLICA_GAUGES = (
     ("kvroute_replica_queued_prefill_tokens", "uncached prompt tokens sent there, first token pending", "livesum"),
     # each worker learns its own rate from its own requests: one series per worker (a pid label),
     # averaged as the dashboards average routers
-    ("kvroute_replica_prefill_rate", "learned prefill rate, tokens/s", "liveall"),
+    ("kvroute_replica_prefill_tokens_per_second", "learned prefill rate", "liveall"),
 )
 ReplicaRow = tuple[str, bool, str, int, int, float]  # name, healthy, breaker state, in flight, queued, rate
 
@@ -81,6 +86,25 @@ class _ReplicaCollector(Collector):
         yield from families
 
 
+class _ReplicaInfoCollector(Collector):
+    """``kvroute_replica_info{replica,url,model}`` = 1: the URL behind each ``replica`` label, one
+    series per model it serves (``model=""`` until its models are read)."""
+
+    multiprocess_modes = {"kvroute_replica_info": "livemax"}
+
+    def __init__(self, source: Callable[[], Iterable[tuple[str, str, Iterable[str]]]]):
+        self._source = source
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "kvroute_replica_info", "1 per replica and model: the URL behind the replica label", labels=["replica", "url", "model"]
+        )
+        for label, url, models in self._source():
+            for model in sorted(models) or [""]:
+                family.add_metric([label, url, model], 1.0)
+        yield family
+
+
 @dataclass
 class ModelSeries:
     """One model's children of the labelled metrics, bound once (``labels()`` costs microseconds)."""
@@ -91,6 +115,50 @@ class ModelSeries:
     reuse_delivered: Any
     reuse_measured_prompt: Any
     ttft: Any
+    sre: SreSeries
+
+
+# -- SRE: what a model's clients get (end to end, TTFT, inter-token latency, output tokens) --------
+# seconds to minutes: a whole answer, its generation included
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# milliseconds: one decode step of an engine, batched or not
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class SreSeries:
+    """One model's children of the SRE metrics (``SreMetrics``), bound once."""
+
+    duration: Any
+    inter_token_latency: Any
+    output_tokens: Any
+
+
+class SreMetrics:
+    """Histograms and counters an SLO is written against, labelled by model only (bounded: models
+    the fleet serves, else ``unknown``).  TTFT is ``kvroute_ttft_seconds`` (above)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.duration = Histogram(
+            "kvroute_request_duration_seconds",
+            "end to end: from the request's arrival to the last byte of its answer, answered (2xx) requests",
+            ["model"], buckets=_DURATION_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.inter_token_latency = Histogram(
+            "kvroute_inter_token_latency_seconds",
+            "a stream's mean time between output tokens: (last event - first event) / (output tokens - 1)",
+            ["model"], buckets=_ITL_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.output_tokens = Counter(
+            "kvroute_output_tokens",
+            "output tokens of answered requests: the usage the replica reports, else a stream's events",
+            ["model"], registry=registry,
+        )  # fmt: skip
+
+    def model(self, model: str) -> SreSeries:
+        return SreSeries(
+            self.duration.labels(model), self.inter_token_latency.labels(model), self.output_tokens.labels(model)
+        )
 
 
 class RouterMetrics:
@@ -149,6 +217,8 @@ class RouterMetrics:
             multiprocess_mode="livemostrecent", registry=r,
         )
         self.index = IndexMetrics(r)  # the index client's calls, failures and rebuilds
+        self.sre = SreMetrics(r)  # end to end, inter-token latency, output tokens per model
+        register_process_metrics(r)  # process_*: this process, or the supervisor and its workers
         # series known from the start
         for reason in reasons:
             self.decisions.labels(policy, reason)
@@ -159,10 +229,27 @@ class RouterMetrics:
         self._decisions: dict[str, Any] = {}
         self._answered: dict[tuple[str, str, int], Any] = {}  # requests' children by (model, replica, status)
         self._published: list[PublishedCollector] = []
+        # -- replica labels: the name discovery gives (fleet/discovery/labels.py), not the URL ----
+        self.replica_label: Callable[[str], str] = str  # replica name (URL) -> label; the app binds the fleet's
+        self._labels_used: dict[str, str] = {}  # name -> the label its series were created with
 
     def bind_replicas(self, source: Callable[[], Iterable[ReplicaRow]]) -> None:
-        """``source`` yields (name, healthy, breaker state, in flight, queued tokens, prefill rate)."""
+        """``source`` yields (label, healthy, breaker state, in flight, queued tokens, prefill rate)."""
         self.register_live(_ReplicaCollector(source))
+
+    def bind_replica_info(self, source: Callable[[], Iterable[tuple[str, str, Iterable[str]]]]) -> None:
+        """``source`` yields (label, URL, models) per replica."""
+        self.register_live(_ReplicaInfoCollector(source))
+
+    def label(self, replica: str) -> str:
+        """The ``replica`` label of the replica named (by URL) ``replica``; ``none`` stays."""
+        if replica == UNROUTED:
+            return replica
+        label = self._labels_used[replica] = self.replica_label(replica)
+        return label
+
+    def upstream_failed(self, replica: str, stage: str) -> None:
+        self.upstream_failures.labels(self.label(replica), stage).inc()
 
     def register_live(self, collector: Collector) -> None:
         """A collector of gauges read at scrape time.  In multiprocess mode its values are written
@@ -191,6 +278,7 @@ class RouterMetrics:
                 reuse_delivered=self.reuse_delivered.labels(model),
                 reuse_measured_prompt=self.reuse_measured_prompt.labels(model),
                 ttft=self.ttft.labels(model),
+                sre=self.sre.model(model),
             )
         return series
 
@@ -205,7 +293,7 @@ class RouterMetrics:
         key = (model, replica, status)
         child = self._answered.get(key)
         if child is None:
-            child = self._answered[key] = self.requests.labels(model, replica, str(status))
+            child = self._answered[key] = self.requests.labels(model, self.label(replica), str(status))
         child.inc()
 
     def know_model(self, model: str, replicas: Iterable[str] = ()) -> None:
@@ -214,17 +302,19 @@ class RouterMetrics:
         for replica in replicas:
             if (model, replica) not in self._replicas:
                 self._replicas.add((model, replica))
-                self.requests.labels(model, replica, "200")
-                self.index_entries.labels(replica)
+                label = self.label(replica)
+                self.requests.labels(model, label, "200")
+                self.index_entries.labels(label)
                 for stage in UPSTREAM_STAGES:
-                    self.upstream_failures.labels(replica, stage)
+                    self.upstream_failures.labels(label, stage)
 
     def forget_replica(self, replica: str) -> None:
         """A replica left: drop every series naming it.  Replicas come and go (pods get new
         addresses on every restart): the series of departed ones must not pile up for ever."""
+        label = self._labels_used.pop(replica, replica)
         for metric, position in ((self.requests, 1), (self.upstream_failures, 0), (self.index_entries, 0)):
             # prometheus_client has no public way to list a metric's children
-            for labels in [labels for labels in metric._metrics if labels[position] == replica]:
+            for labels in [labels for labels in metric._metrics if labels[position] == label]:
                 remove_series(metric, *labels)
         self._replicas = {(m, r) for m, r in self._replicas if r != replica}
         self._answered = {key: child for key, child in self._answered.items() if key[1] != replica}
@@ -233,7 +323,7 @@ class RouterMetrics:
         self.cache_hostile.labels(self.client_label(client)).inc()
 
     def render(self, replicas: Collection[str] = ()) -> bytes:
-        """The exposition; in multiprocess mode every worker's, ``replicas`` the fleet's current ones."""
+        """The exposition; in multiprocess mode every worker's, ``replicas`` the labels of the fleet's current ones."""
         if MULTIPROCESS:
-            return render_workers(replicas)
+            return render_workers(replicas, workers_process_collector())
         return generate_latest(self.registry)

@@ -35,7 +35,8 @@ REPLICA_SCOPED = frozenset({
     "kvroute_requests", "kvroute_upstream_failures", "kvroute_index_entries",
     "kvroute_replica_prefix_cache_queries_tokens", "kvroute_replica_prefix_cache_hits_tokens",
     "kvroute_replica_in_flight", "kvroute_replica_healthy", "kvroute_replica_breaker_state",
-    "kvroute_replica_queued_prefill_tokens", "kvroute_replica_prefill_rate", "kvroute_replica_kv_events_state",
+    "kvroute_replica_queued_prefill_tokens", "kvroute_replica_prefill_tokens_per_second", "kvroute_replica_kv_events_state",
+    "kvroute_replica_info",
 })  # fmt: skip
 UNROUTED = "none"  # the replica label of requests answered before any replica was chosen
 
@@ -84,10 +85,12 @@ class _WorkersCollector(Collector):
             yield family
 
 
-def render_workers(replicas: Collection[str]) -> bytes:
-    """The exposition of all the workers' metrics; ``replicas``: the fleet's current ones."""
+def render_workers(replicas: Collection[str], *also: Collector) -> bytes:
+    """The exposition of all the workers' metrics and of ``also``; ``replicas``: the fleet's current ones."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_WorkersCollector(os.environ[MULTIPROC_ENV], {*replicas, UNROUTED}))
+    for collector in also:
+        registry.register(collector)
     return generate_latest(registry)
 
 

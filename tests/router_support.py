@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,12 @@ async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+def label(url: str) -> str:
+    """The ``replica`` label of a replica listed by URL with no name (a --replicas entry, a
+    registration without one): its host:port (router/fleet/discovery/labels.py)."""
+    return urllib.parse.urlsplit(url).netloc
 
 
 def sample(samples: dict, name: str, **labels: str) -> float:

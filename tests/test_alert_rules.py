@@ -176,6 +176,40 @@ CASES: dict[str, dict[str, Any]] = {
             alert("KvrouteRedisErrors", "10m", {"severity": "warning", "instance": ROUTER["instance"], "op": "lookup"}),
         ],
     },
+    # TTFT (objective 2.5 s), 20 streams every 15 s per model: a's miss it 1 in 5 (20 %, over the
+    # fast burn's 14.4 %), c's 1 in 10 (over the slow burn's 6 %), b's 1 in 20 (5 %: under both);
+    # d's missed it 1 in 5 for the first 30 minutes, then none: its long windows still burn, its
+    # short ones say it has stopped, so it does not fire at 75 minutes
+    "ttft_burn": {
+        "input_series": [
+            *(series("kvroute_ttft_seconds_bucket", {**ROUTER, "model": m, "le": "2.5"}, f"0+{ok}x1500")
+              for m, ok in (("a", 16), ("b", 19), ("c", 18))),
+            series("kvroute_ttft_seconds_bucket", {**ROUTER, "model": "d", "le": "2.5"}, "0+16x120 1940+20x1380"),
+            *(series("kvroute_ttft_seconds_count", {**ROUTER, "model": m}, "0+20x1500") for m in ("a", "b", "c", "d")),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteTtftBudgetBurn", "1m"),  # under `for`
+            alert("KvrouteTtftBudgetBurn", "20m", {"severity": "warning", "model": "a"},
+                  {"severity": "warning", "model": "c"}, {"severity": "warning", "model": "d"}),
+            alert("KvrouteTtftBudgetBurn", "75m", {"severity": "warning", "model": "a"},
+                  {"severity": "warning", "model": "c"}),
+        ],
+    },
+    # router 1 refuses 1 request in 10 with 429 for an hour, router 2 one in 100
+    "throttled": {
+        "input_series": [
+            series("kvroute_requests_total", {**ROUTER, "model": "unknown", "replica": "none", "status": "429"}, "0+10x240"),
+            series("kvroute_requests_total", {**ROUTER, "model": "a", "replica": "vllm-0", "status": "200"}, "0+90x240"),
+            series("kvroute_requests_total", {**OTHER_ROUTER, "model": "unknown", "replica": "none", "status": "429"},
+                   "0+1x240"),
+            series("kvroute_requests_total", {**OTHER_ROUTER, "model": "a", "replica": "vllm-0", "status": "200"},
+                   "0+99x240"),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteRequestsThrottled", "9m"),  # not for 10 minutes yet
+            alert("KvrouteRequestsThrottled", "30m", {"severity": "warning", **ROUTER}),
+        ],
+    },
 }
 
 

@@ -20,7 +20,8 @@ LOWEST = os.environ.get("KVROUTE_LOWEST_DEPS") == "1"
 
 def runtime_requirements() -> list[Requirement]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["k8s"]]
+    extras = project["optional-dependencies"]
+    return [Requirement(r) for r in project["dependencies"] + extras["k8s"] + extras["otel"]]
 
 
 def floor(requirement: Requirement) -> Version:

@@ -458,6 +458,8 @@ def test_chart_replicas_request_gpus_and_are_discovered_through_a_headless_servi
     assert args.model_path == args.model
     # registered as http://<pod IP>:8000, the address the headless service resolves to
     assert args.advertise_host == "$(POD_IP)" and env_of(c)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # under the pod's name, the routers' replica label (stable: a StatefulSet's pod keeps its name)
+    assert args.name == "$(POD_NAME)" and env_of(c)["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "rel-kvroute-router")
     assert env_of(c)["KVROUTE_REDIS_URL"] == env_of(router["spec"]["template"]["spec"]["containers"][0])["KVROUTE_REDIS_URL"]
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
@@ -547,6 +549,20 @@ def test_chart_alerts_link_the_runbook_and_watch_the_router_job():
     out = run(tool("promtool"), "check", "rules", "/dev/stdin",
               input=yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     assert "SUCCESS" in out
+
+
+def test_chart_writes_the_ttft_objective_into_the_burn_rules():
+    """alerts.ttftObjectiveSeconds: the bucket bound the TTFT rules read, in either spelling
+    Prometheus stores (2.x keeps "1.0", 3.x writes "1"); a value that is no bound is refused."""
+    (rule,) = helm_template("metrics.prometheusRule.enabled=true", "alerts.ttftObjectiveSeconds=1",
+                            show_only="templates/prometheusrule.yaml")
+    ttft = [r for g in rule["spec"]["groups"] for r in g["rules"] if "kvroute_ttft_seconds_bucket" in r["expr"]]
+    assert len(ttft) == 4 and all('le=~"1([.]0)?"' in r["expr"] and 'le="2.5"' not in r["expr"] for r in ttft)
+    out = run(tool("promtool"), "check", "rules", "/dev/stdin", input=yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    assert "SUCCESS" in out
+    refused = subprocess.run([*helm("template"), "--set", "alerts.ttftObjectiveSeconds=3"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0 and "ttftObjectiveSeconds" in refused.stderr
 
 
 def test_chart_rejects_bad_values():

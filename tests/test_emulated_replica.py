@@ -27,6 +27,7 @@ from kvroute.replica.cli import main as replica_main
 from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 from kvroute.common.tokens import Tokenizer
 from tests.conftest import free_port
+from tests.router_support import label
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TOKENIZER = ROOT / "tests" / "assets" / "tiny-tokenizer"
@@ -672,7 +673,7 @@ async def test_cli_registers_in_redis_and_routers_follow_its_events(http, redis_
                 async with http.get(router.url + "/metrics") as resp:
                     text = await resp.text()
                 applied = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                              if s.name == "kvroute_kv_events_applied_total" and s.labels.get("replica") == url)
+                              if s.name == "kvroute_kv_events_applied_total" and s.labels.get("replica") == label(url))
                 if applied:
                     break
                 await asyncio.sleep(0.1)

@@ -28,7 +28,7 @@ from kvroute.router.config import load_settings
 from kvroute.router.fleet.discovery import EventEndpointResolver, ReplicaEntry
 from kvroute.common.registration import KeptRegistration, ReplicaRecord
 from tests.conftest import free_port
-from tests.router_support import MODEL, TINY_TOKENIZER, running_router, scrape, started, total
+from tests.router_support import MODEL, TINY_TOKENIZER, label, running_router, scrape, started, total
 
 ADMIN = "admin-token"
 HOSTS = ("127.0.0.2", "127.0.0.3")
@@ -103,9 +103,10 @@ async def states(app: RouterApp) -> dict[str, str]:
     return {name: r["kv_events"] for name, r in (await admin_replicas(app)).items()}
 
 
-def state_gauge(samples: dict, replica: str) -> dict[str, float]:
+def state_gauge(samples: dict, url: str) -> dict[str, float]:
+    """The KV-event state gauge of the replica at ``url`` (labelled by its host:port)."""
     return {dict(lab)["state"]: v for (name, lab), v in samples.items()
-            if name == "kvroute_replica_kv_events_state" and dict(lab)["replica"] == replica}
+            if name == "kvroute_replica_kv_events_state" and dict(lab)["replica"] == label(url)}
 
 
 async def chat(http: aiohttp.ClientSession, app: RouterApp, content: str) -> int:

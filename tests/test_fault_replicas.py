@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import openai
 
-from tests.router_support import MODEL, ReplicaProcess, emulated_replicas, openai_client, running_router, scrape, total
+from tests.router_support import MODEL, ReplicaProcess, emulated_replicas, openai_client, running_router, scrape, total, label
 
 MSGS = [{"role": "user", "content": "hello"}]
 RATE = 20.0  # requests per second
@@ -149,13 +149,13 @@ async def test_a_replica_that_leaves_leaves_no_series_or_state_behind(redis_url,
                 for _ in range(4):
                     await openai.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
                 before = await scrape(app.url)
-                assert total(before, "kvroute_requests_total", replica=lapsing.url) == 2
+                assert total(before, "kvroute_requests_total", replica=label(lapsing.url)) == 2
 
                 hearts[1].cancel()  # `lapsing` stops heartbeating: its registration expires, it leaves
                 await _within(5.0, lambda: app.fleet.get(lapsing.url) is None)
                 after = await scrape(app.url)
-                assert not [key for key in after if ("replica", lapsing.url) in key[1]]
-                assert total(after, "kvroute_requests_total", replica=kept.url) == 2
+                assert not [key for key in after if ("replica", label(lapsing.url)) in key[1]]
+                assert total(after, "kvroute_requests_total", replica=label(kept.url)) == 2
                 assert lapsing.url not in app.load.states
         finally:
             for heart in hearts:

@@ -15,7 +15,7 @@ from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 from kvroute.router.fleet.discovery import K8sSource
 from kvroute.router.fleet.discovery import k8s as k8s_module
 from tests.kube_api import KubeApiServer, go_bool, make_pod, self_signed_tls
-from tests.router_support import MODEL, openai_client, running_router, scrape, total
+from tests.router_support import MODEL, openai_client, running_router, sample, scrape, total
 from tests.test_fleet import until
 
 SELECTOR = "app=vllm,model=qwen2-5-0-5b"
@@ -314,6 +314,10 @@ async def test_a_router_routes_to_replicas_it_discovers_through_the_kubernetes_a
             )
             assert reply.choices[0].message.content
             assert (await served_by(a), await served_by(b)) == (1, 0)
+            # its series are named by the pod, its URL in the info series (issue 21: stable labels)
+            samples = await scrape(app.url)
+            assert sample(samples, "kvroute_requests_total", model=MODEL, replica="vllm-a", status="200") == 1
+            assert sample(samples, "kvroute_replica_info", replica="vllm-a", url=a.url, model=MODEL) == 1
 
             kube_api.set_ready("vllm-b", True)
             kube_api.delete("vllm-a")

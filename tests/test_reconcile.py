@@ -12,7 +12,7 @@ from kvroute.router.fleet.breaker import CircuitBreaker
 from kvroute.router.fleet.replica import Replica
 from kvroute.router.fleet.engine_counters import HITS, QUERIES, EngineCacheCounters
 from kvroute.common.scrape import ScrapeResult
-from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, scrape, total
+from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, scrape, total, label
 
 NAME = "http://10.0.0.1:8000"
 
@@ -88,7 +88,7 @@ async def test_the_router_exports_what_the_engines_counted_next_to_its_delivered
 
             def grown(samples: dict, kind: str, url: str) -> float:
                 name = f"kvroute_replica_prefix_cache_{kind}_tokens_total"
-                return total(samples, name, replica=url) - total(before, name, replica=url)
+                return total(samples, name, replica=label(url)) - total(before, name, replica=label(url))
 
             deadline = time.monotonic() + 5
             while True:  # equal once the fleet has scraped the replicas again

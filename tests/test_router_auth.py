@@ -6,7 +6,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, scrape, total
+from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, scrape, total, label
 
 MSGS = [{"role": "system", "content": "Shared instructions for every tenant. " * 20}, {"role": "user", "content": "Hi"}]
 
@@ -64,8 +64,8 @@ async def test_admin_token_lists_and_drains_replicas():
                 for i in range(4):
                     await client.completions.create(model=MODEL, prompt=f"prompt {i}", max_tokens=1)
                 samples = await scrape(app.url)
-                assert total(samples, "kvroute_requests_total", replica=reps[0].url) == 0
-                assert total(samples, "kvroute_requests_total", replica=reps[1].url) == 4
+                assert total(samples, "kvroute_requests_total", replica=label(reps[0].url)) == 0
+                assert total(samples, "kvroute_requests_total", replica=label(reps[1].url)) == 4
 
                 async with s.post(app.url + "/admin/replicas/drain", json={"replica": reps[1].url}, headers=admin) as r:
                     assert r.status == 200
@@ -127,7 +127,7 @@ async def test_a_replica_refusing_the_routers_key_is_a_502_that_says_so_not_an_u
             assert refused.value.body["code"] == "upstream_auth_failed"
             assert "fleet.replica_api_key" in refused.value.body["message"] and rep.url in refused.value.body["message"]
             samples = await scrape(app.url)
-            assert samples[("kvroute_replica_auth_refusals_total", (("replica", rep.url),))] >= 1
+            assert samples[("kvroute_replica_auth_refusals_total", (("replica", label(rep.url)),))] >= 1
             errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
             assert any("refuses the router's API key" in m and "fleet.replica_api_key" in m for m in errors), errors
 
@@ -144,5 +144,5 @@ async def test_a_proxied_request_the_replica_refuses_is_a_502_not_the_replicas_4
                 await client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
             assert refused.value.status_code == 502 and refused.value.body["code"] == "upstream_auth_failed"
             samples = await scrape(app.url)
-            assert samples[("kvroute_upstream_failures_total", (("replica", rep.url), ("stage", "auth")))] == 1
-            assert samples[("kvroute_replica_auth_refusals_total", (("replica", rep.url),))] == 1
+            assert samples[("kvroute_upstream_failures_total", (("replica", label(rep.url)), ("stage", "auth")))] == 1
+            assert samples[("kvroute_replica_auth_refusals_total", (("replica", label(rep.url)),))] == 1

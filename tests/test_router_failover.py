@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from tests.router_support import (
+    label,
     MODEL,
     ReplicaProcess,
     ScriptedReplica,
@@ -40,7 +41,7 @@ async def test_killed_replica_fails_over_before_first_byte(doomed):
             for _ in range(2):  # both replicas serve while alive
                 await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
             before = await scrape(app.url)
-            assert sample(before, "kvroute_requests_total", model=MODEL, replica=doomed.url, status="200") == 1
+            assert sample(before, "kvroute_requests_total", model=MODEL, replica=label(doomed.url), status="200") == 1
 
             await doomed.kill()
             for i in range(4):  # round robin sends every other one to the dead replica
@@ -52,9 +53,9 @@ async def test_killed_replica_fails_over_before_first_byte(doomed):
                     assert resp.choices[0].message.content
 
             after = await scrape(app.url)
-            assert sample(after, "kvroute_requests_total", model=MODEL, replica=survivor.url, status="200") == 5
+            assert sample(after, "kvroute_requests_total", model=MODEL, replica=label(survivor.url), status="200") == 5
             assert sample(after, "kvroute_routing_decisions_total", policy="round_robin", reason="failover") >= 1
-            assert sample(after, "kvroute_upstream_failures_total", replica=doomed.url, stage="connect") >= 1
+            assert sample(after, "kvroute_upstream_failures_total", replica=label(doomed.url), stage="connect") >= 1
             assert total(after, "kvroute_requests_total", status="502") == 0
 
 
@@ -84,7 +85,7 @@ async def test_replica_dying_mid_stream_ends_with_error_event_and_done():
             err = json.loads(events[-2][len("data: "):])["error"]
             assert err["code"] == "upstream_error" and "mid-stream" in err["message"]
             samples = await scrape(app.url)
-            assert sample(samples, "kvroute_upstream_failures_total", replica=slow.url, stage="mid_stream") == 1
+            assert sample(samples, "kvroute_upstream_failures_total", replica=label(slow.url), stage="mid_stream") == 1
     finally:
         await slow.kill()
 
@@ -119,7 +120,7 @@ async def test_client_disconnect_aborts_upstream_request():
             assert await _running(rep.url) == 0  # the engine stopped generating for nobody
             samples = await scrape(app.url)
             assert sample(samples, "kvroute_in_flight") == 0
-            assert sample(samples, "kvroute_replica_in_flight", replica=rep.url) == 0
+            assert sample(samples, "kvroute_replica_in_flight", replica=label(rep.url)) == 0
 
 
 async def _running(url: str) -> float:
@@ -181,5 +182,5 @@ async def test_half_open_trial_is_the_request_routed_there():
             for _ in range(4):
                 await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
             samples = await scrape(app.url)
-            assert sample(samples, "kvroute_requests_total", model=MODEL, replica=a.url, status="200") == 2
+            assert sample(samples, "kvroute_requests_total", model=MODEL, replica=label(a.url), status="200") == 2
             assert app.fleet.get(a.url).breaker.state == "closed"

@@ -7,7 +7,7 @@ import random
 import aiohttp
 import pytest
 
-from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, sample, scrape, total
+from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, sample, scrape, total, label
 
 SYSTEM = "You are a meticulous assistant for the kvroute test suite. " * 12
 
@@ -81,7 +81,7 @@ async def test_multi_turn_conversation_reuses_cache_and_metrics_show_it(client, 
     assert delivered == sum(cached)
     assert 0 < predicted <= available < prompt
     # one session, routed by its cache: every request on one replica
-    per_replica = [total(after, "kvroute_requests_total", replica=r.name, status="200") for r in router.fleet.replicas()]
+    per_replica = [total(after, "kvroute_requests_total", replica=r.label, status="200") for r in router.fleet.replicas()]
     assert sorted(per_replica) == [0, 4]
     assert total(after, "kvroute_routing_decisions_total", reason="cache") >= 3
 
@@ -122,10 +122,10 @@ async def test_health_ready_and_metrics_series_from_first_scrape(router):
             assert r.status == 200
     first = await scrape(router.url)
     for r in router.fleet.replicas():
-        assert sample(first, "kvroute_replica_healthy", replica=r.name) == 1
-        assert sample(first, "kvroute_replica_in_flight", replica=r.name) == 0
-        assert sample(first, "kvroute_replica_breaker_state", replica=r.name) == 0
-        assert sample(first, "kvroute_requests_total", model=MODEL, replica=r.name, status="200") == 0
+        assert sample(first, "kvroute_replica_healthy", replica=r.label) == 1
+        assert sample(first, "kvroute_replica_in_flight", replica=r.label) == 0
+        assert sample(first, "kvroute_replica_breaker_state", replica=r.label) == 0
+        assert sample(first, "kvroute_requests_total", model=MODEL, replica=r.label, status="200") == 0
     assert sample(first, "kvroute_cache_hostile_prompts_total", client="other") == 0
     assert sample(first, "kvroute_routing_decisions_total", policy="cost_model", reason="cache") == 0
     assert sample(first, "kvroute_router_added_latency_seconds_count") == 0

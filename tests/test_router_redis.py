@@ -4,7 +4,7 @@ router goes to the replica that holds its prefix."""
 from __future__ import annotations
 
 
-from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, scrape, total
+from tests.router_support import MODEL, emulated_replicas, openai_client, running_router, scrape, total, label
 
 SYSTEM = "Instructions shared by the whole conversation, long enough to fill many blocks. " * 10
 
@@ -29,7 +29,7 @@ async def test_two_routers_route_one_session_to_the_same_replica(redis_url, redi
             used = set()
             for app in (one, two):
                 samples = await scrape(app.url)
-                used |= {url for url in urls if total(samples, "kvroute_requests_total", replica=url) > 0}
+                used |= {url for url in urls if total(samples, "kvroute_requests_total", replica=label(url)) > 0}
                 # each router found the other's predictions in Redis
                 assert total(samples, "kvroute_routing_decisions_total", reason="cache") >= 2
                 assert total(samples, "kvroute_index_errors_total") == 0

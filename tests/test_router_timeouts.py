@@ -10,6 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from tests.router_support import (
+    label,
     MODEL,
     ScriptedReplica,
     emulated_replicas,
@@ -49,7 +50,7 @@ async def test_no_first_byte_times_out_and_fails_over():
                 assert [c async for c in resp] if stream else resp.choices
             assert stuck.hits >= 1
             samples = await scrape(app.url)
-            assert sample(samples, "kvroute_upstream_failures_total", replica=stuck.url, stage="first_byte") == stuck.hits
+            assert sample(samples, "kvroute_upstream_failures_total", replica=label(stuck.url), stage="first_byte") == stuck.hits
 
 
 async def test_silent_stream_ends_with_error_event_after_idle_timeout():

@@ -103,7 +103,7 @@ async def test_two_workers_serve_add_up_restart_and_drain():
                     assert total(samples, "kvroute_index_available") == 1
                     # two replicas on one host: no KV events by convention, in every worker
                     assert total(samples, "kvroute_replica_kv_events_state", state="off") == 2
-                    rates = [labels for name, labels in samples if name == "kvroute_replica_prefill_rate"]
+                    rates = [labels for name, labels in samples if name == "kvroute_replica_prefill_tokens_per_second"]
                     assert len(rates) == 4 and len({dict(labels)["pid"] for labels in rates}) == 2
 
             await totals(40, 0)

@@ -46,6 +46,7 @@ from kvroute.router.request.accounting import Accounting
 from kvroute.router.request.response_homes import ResponseHomes
 from kvroute.router.request.response_memory import ResponseMemory
 from kvroute.router.request.route import Route, Router
+from kvroute.router.tracing import NO_SPAN, Span, Tracing, client_trace_headers
 
 log = logging.getLogger("kvroute.router")
 
@@ -103,6 +104,7 @@ class Handlers:
         response_homes: ResponseHomes,
         index: IndexClient,
         metrics: RouterMetrics,
+        tracing: Tracing,
         peers: Peers | None,
     ):
         self.settings = settings
@@ -118,6 +120,7 @@ class Handlers:
         self.response_homes = response_homes
         self.index = index
         self.metrics = metrics
+        self.tracing = tracing  # router/tracing.py: the client's trace context on, spans with --tracing
         self.peers = peers  # one of --workers N (router/workers.py), or None: the only process
 
     def add_routes(self, app: web.Application) -> None:
@@ -147,7 +150,7 @@ class Handlers:
         """A replica failed a request (``stage``: None when it was only busy): its breaker counts it;
         one that refused the router's API key is reported as such (logged, counted)."""
         if stage is not None:
-            self.metrics.upstream_failures.labels(replica, stage).inc()
+            self.metrics.upstream_failed(replica, stage)
             self.fleet.report_failure(replica)
             if stage == "auth":
                 self.fleet.report_auth_refused(replica, status, "a proxied request")
@@ -188,6 +191,8 @@ class Handlers:
         rid = request[REQUEST_ID]
         model: str | None = None
         model_label = "unknown"
+        trace = self.tracing.request(request.headers, f"{request.method} {request.path}")
+        route_span = trace.route()
         try:
             if kind == "chat":
                 self.router.refuse_oversized_chat(raw)  # before the body is parsed, rendered, tokenized
@@ -204,17 +209,22 @@ class Handlers:
             route = await self.router.route(parsed, request_id=rid, session_header=session, api_key=api_key, pin=pin)
         except (ApiError, web.HTTPException) as exc:
             self.metrics.requests.labels(model_label, "none", str(exc.status)).inc()
+            route_span.end(exc.status)
+            trace.end(exc.status, model=model_label)
             if len(raw) >= GIVE_BACK_AFTER_BYTES:
                 give_back_memory()
             if isinstance(exc, ApiError):
                 return answered(exc.response(), Exchange(model=model))
             raise
 
+        route_span.set(model=model_label, replica=self.metrics.label(route.replica), prompt_tokens=route.prompt.tokens)
+        route_span.end()
         body = parsed.forward_body(route.additions)  # type: ignore[arg-type]
         attempts, sent_at = 0, None
         replica = route.replica  # the last one tried
         opened: Opened | None = None
         relayed: Relayed | None = None
+        upstream_span: Span = NO_SPAN  # the attempt in progress (tracing)
 
         def ended(status: int) -> Exchange:
             """The request is over: its outcome, reported; what the access log writes."""
@@ -225,12 +235,20 @@ class Handlers:
                 ttft_s=opened.ttft_s if opened is not None else None,
                 attempts=attempts,
                 mid_stream_error=relayed.failure if relayed is not None else None,
+                duration_s=time.perf_counter() - started,
+                events=relayed.events if relayed is not None else 0,
+                decode_s=relayed.decode_s if relayed is not None else None,
             )
             if sent_at is not None:
                 self.metrics.added_latency.observe(sent_at - started)
             cached = self.accounting.report(route, outcome)
             if 200 <= status < 300:  # the hit-rate breakdown, once the answer is written
                 asyncio.get_running_loop().call_soon(self.accounting.account, route, cached)
+            output = outcome.usage.completion_tokens if outcome.usage is not None else None
+            upstream_span.set(cached_tokens=cached, output_tokens=output)
+            upstream_span.end(outcome.status)
+            trace.end(status, model=model_label, replica=self.metrics.label(replica), cached_tokens=cached,
+                      attempts=attempts)
             return Exchange(model, route, outcome, cached)
 
         try:
@@ -238,12 +256,18 @@ class Handlers:
             while True:
                 attempts, replica = attempts + 1, route.replica  # counted while in flight, as sent
                 sent_at = time.perf_counter() if sent_at is None else sent_at
+                upstream_span, trace_headers = trace.upstream(
+                    replica=self.metrics.label(route.replica), url=route.url, attempt=attempts
+                )
                 attempt = await self.proxy.open(
-                    route.replica, route.url, request.path, body, request_id=rid, stream=parsed.stream
+                    route.replica, route.url, request.path, body, request_id=rid, stream=parsed.stream,
+                    trace_headers=trace_headers,
                 )
                 if isinstance(attempt, Opened):
                     opened = attempt
                     break
+                upstream_span.end(attempt.status)
+                upstream_span = NO_SPAN
                 failure = attempt
                 self._replica_failed(attempt.replica, attempt.stage, attempt.replica_status)
                 rerouted: Route | None = self.router.reroute(route)
@@ -309,7 +333,8 @@ class Handlers:
             for name in order:  # no routing: tried in order
                 attempts, replica = attempts + 1, name  # counted while in flight, as sent
                 attempt = await self.proxy.open(name, self._url(name), request.raw_path, raw,
-                                                request_id=request[REQUEST_ID], stream=False, method=request.method)
+                                                request_id=request[REQUEST_ID], stream=False, method=request.method,
+                                                trace_headers=client_trace_headers(request.headers))
                 if isinstance(attempt, Unanswered):
                     failure = attempt
                     self._replica_failed(name, attempt.stage, attempt.replica_status)
@@ -327,7 +352,7 @@ class Handlers:
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             raise cut_short(exc, ended(503 if self.cutoff.cutting else 499))
         finally:
-            self.metrics.requests.labels(model or "unknown", replica or "none", str(status)).inc()
+            self.metrics.requests.labels(model or "unknown", self.metrics.label(replica or "none"), str(status)).inc()
             self.admission.release()
 
     async def _passthrough_order(self, request: web.Request, raw: bytes) -> tuple[str | None, list[str]]:
@@ -391,9 +416,9 @@ class Handlers:
         for r in self.fleet.replicas():
             count = await self.index.entry_count(r.name)  # None: failed, counted
             if count is not None:
-                self.metrics.index_entries.labels(r.name).set(count)
+                self.metrics.index_entries.labels(self.metrics.label(r.name)).set(count)
         self.metrics.publish()  # several workers: this one's live values, fresh (the others' are <= 1 s old)
-        body = self.metrics.render({r.name for r in self.fleet.replicas()})
+        body = self.metrics.render({self.metrics.label(r.name) for r in self.fleet.replicas()})
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     # -- admin --------------------------------------------------------------------------------
@@ -402,11 +427,13 @@ class Handlers:
         return web.json_response({"replicas": [asdict(st) for st in replica_status(self.fleet, self.load)]})
 
     async def _admin_body_replica(self, request: web.Request) -> str:
+        """The replica the body names, by its name (URL) or its metrics label (what alerts name)."""
         body = decode_json_object(await self.bodies.read(request))
         name = body.get("replica")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "missing required parameter: 'replica'", param="replica", code="missing_required_parameter")
-        return name
+        replica = self.fleet.find(name)
+        return replica.name if replica is not None else name
 
     async def admin_drain(self, request: web.Request) -> web.Response:
         self.admission.check_admin(request)

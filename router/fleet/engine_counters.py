@@ -80,8 +80,8 @@ class EngineCacheCounters:
         self._seen[replica.name] = now
         if before is None:
             # The baseline; the series exist from now on, at zero.
-            self.queries.labels(replica.name)
-            self.hits.labels(replica.name)
+            self.queries.labels(replica.label or replica.name)
+            self.hits.labels(replica.label or replica.name)
             return
         restarted = (
             now.queries < before.queries
@@ -94,19 +94,19 @@ class EngineCacheCounters:
         )
         base_queries, base_hits = (0.0, 0.0) if restarted else (before.queries, before.hits)
         if now.queries > base_queries:
-            self.queries.labels(replica.name).inc(now.queries - base_queries)
+            self.queries.labels(replica.label or replica.name).inc(now.queries - base_queries)
         if now.hits > base_hits:
-            self.hits.labels(replica.name).inc(now.hits - base_hits)
+            self.hits.labels(replica.label or replica.name).inc(now.hits - base_hits)
 
     def on_fleet_event(self, event: FleetEvent, replica: Replica) -> None:
         if event == "left":
-            self.forget(replica.name)
+            self.forget(replica.name, replica.label or replica.name)
 
-    def forget(self, name: str) -> None:
+    def forget(self, name: str, label: str) -> None:
         """A replica left: drop its series and its baseline (it may come back as another process)."""
         self._seen.pop(name, None)
         for counter in (self.queries, self.hits):
-            remove_series(counter, name)
+            remove_series(counter, label)
 
 
 __all__ = ["EngineCacheCounters"]

@@ -46,6 +46,8 @@ from kvroute.router.fleet.discovery import (
     ReplicaEntry,
     Source,
     StaticSource,
+    replica_label,
+    unique_labels,
     entry_url,
 )
 from kvroute.router.fleet.probes import AuthRefused, ReplicaProbes, TlsFailed
@@ -120,7 +122,8 @@ class Fleet:
 
     def _make_sources(self) -> list[DiscoverySource]:
         s = self.settings
-        sources: list[DiscoverySource] = [StaticSource(entry_url(e) for e in s.replicas)]
+        named = {e.url: e.name for e in s.replicas if isinstance(e, ReplicaEntry) and e.name}
+        sources: list[DiscoverySource] = [StaticSource((entry_url(e) for e in s.replicas), named)]
         if s.discovery_redis:
             secret, metrics = self._registration_secret, self._discovery_metrics
             if self._redis is not None:
@@ -163,6 +166,11 @@ class Fleet:
     # -- queries (synchronous, no I/O) --------------------------------------------------------
     def replicas(self) -> list[Replica]:
         return list(self._replicas.values())
+
+    def label(self, name: str) -> str:
+        """The ``replica`` label of ``name``'s metrics (fleet/discovery/labels.py); its URL if unknown."""
+        r = self._replicas.get(name)
+        return r.label if r is not None and r.label else name
 
     def get(self, name: str) -> Replica | None:
         return self._replicas.get(name)
@@ -259,6 +267,7 @@ class Fleet:
                     kv_events=r.kv_events,
                     health_failures=r.health_failures,
                     scrape_age_s=None if r.last_scrape is None else now - r.last_scrape,
+                    label=r.label,
                 )
             )
         return out
@@ -287,6 +296,13 @@ class Fleet:
         r.kv_events = state
         if self._loops and r.healthy:  # else the next sync (mark up, scrape) tells the index
             self._spawn(r, "index", self._sync_index)
+
+    def find(self, name_or_label: str) -> Replica | None:
+        """A replica by its name (URL) or by its metrics label (what an alert names; unique)."""
+        r = self._replicas.get(name_or_label)
+        if r is None:
+            r = next((r for r in self._replicas.values() if r.label == name_or_label), None)
+        return r
 
     async def drain(self, name: str) -> bool:
         """Stop routing new requests to it (in-flight ones finish).  False if unknown."""
@@ -351,11 +367,14 @@ class Fleet:
     async def _discover(self) -> None:
         desired: dict[str, set[Source]] = {}
         records: dict[str, ReplicaRecord] = {}
+        names: dict[str, list[str | None]] = {}
         for source in self._sources:
             for url, record in (await source.list()).items():
                 desired.setdefault(url, set()).add(source.name)
+                names.setdefault(url, []).append(source.label(url))
                 if record is not None:
                     records[url] = record
+        labels = unique_labels({url: replica_label(url, names[url], records.get(url)) for url in desired})
 
         endpoints = self._endpoints.resolve(desired, records)
         for name, sources in desired.items():
@@ -370,6 +389,7 @@ class Fleet:
                 self._replicas[name] = r
                 log.info("replica %s joined (%s)", name, ",".join(sorted(sources)))
             r.sources = sources
+            r.label = labels[name]
             record = records.get(name)
             record_changed = record != r.record
             if record_changed:
@@ -414,7 +434,7 @@ class Fleet:
         r = self._replicas.get(name)
         if r is None:
             return
-        self._auth_refusals.labels(name).inc()
+        self._auth_refusals.labels(r.label or name).inc()
         if r.auth_refused is None:
             key = "a different API key" if self._headers else "an API key"
             log.error(

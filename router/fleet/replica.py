@@ -25,6 +25,7 @@ class Replica:
     name: str  # stable id: its base URL
     url: str
     breaker: CircuitBreaker  # .available(), .claim(), .record_success(), .record_failure(), .state
+    label: str = ""  # its metrics' replica label: the name discovery gives (fleet/discovery/labels.py)
     models: set[str] = field(default_factory=set)  # from its /v1/models
     model_cards: list[dict[str, Any]] = field(default_factory=list)
     block_size: int | None = None  # effective: configured, else scraped, else registered
@@ -79,3 +80,4 @@ class ReplicaStatus:
     # this router's own load there (kvroute.router.placement.load owns it; the app fills it in)
     in_flight: int = 0
     queued_prefill_tokens: int = 0
+    label: str = ""  # the replica label of its metrics

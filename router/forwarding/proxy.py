@@ -108,6 +108,8 @@ class Relayed:
     failure: str | None = None  # the stream failed after its first byte (the replica's fault)
     rest: bytes = b""  # what the client still gets from :meth:`Proxy.finish`
     complete: bool = True  # the client has (or, after finish, will have) the whole answer
+    events: int = 0  # a stream's data events before [DONE] (output tokens when no usage is reported)
+    decode_s: float | None = None  # a stream's first event to its last: the output after the first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,9 @@ class Outcome:
     ttft_s: float | None = None
     attempts: int = 0
     mid_stream_error: str | None = None
+    duration_s: float | None = None  # end to end: arrival to the answer's last byte
+    events: int = 0  # Relayed.events
+    decode_s: float | None = None  # Relayed.decode_s
 
 
 def make_upstream_session(timeouts: Timeouts, tls: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
@@ -169,22 +174,23 @@ class Proxy:
         # what every upstream request carries (the replicas' own API key), merged once
         self._fixed_headers = {**upstream_headers, "Content-Type": "application/json"}
 
-    def _headers(self, request_id: str) -> dict[str, str]:
-        return {**self._fixed_headers, "X-Request-Id": request_id}
+    def _headers(self, request_id: str, trace_headers: Mapping[str, str]) -> dict[str, str]:
+        return {**self._fixed_headers, **trace_headers, "X-Request-Id": request_id}
 
     async def open(
         self, replica: str, url: str | None, path: str, body: bytes, *, request_id: str, stream: bool,
-        method: str = "POST",
+        method: str = "POST", trace_headers: Mapping[str, str] = {},  # noqa: B006 - read only
     ) -> Opened | Unanswered:
         """Send ``body`` to ``replica`` (at ``url``; None: it left the fleet) and wait for its first
-        byte (a stream's first event, or a whole non-streamed answer)."""
+        byte (a stream's first event, or a whole non-streamed answer).  ``trace_headers``: the W3C
+        trace context the replica gets (router/tracing.py)."""
         sent = time.perf_counter()
         upstream: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(self.timeouts.first_byte_s):
                 if url is None:  # left the fleet between the decision and now
                     raise UpstreamError(f"replica {replica} is gone")
-                upstream = await self.pool.request(url, path, self._headers(request_id), body, method)
+                upstream = await self.pool.request(url, path, self._headers(request_id, trace_headers), body, method)
                 if upstream.status in _AUTH_STATUSES:
                     await upstream.read()
                     upstream.release()
@@ -295,6 +301,7 @@ class Proxy:
         resp.headers["Cache-Control"] = "no-cache"
         failed: str | None = None
         held = b""  # from the answer's event on: sent by finish(), once the caller has read the answer
+        began = last_at = time.perf_counter()  # the first event came just now (open() read it)
         try:
             _nodelay(request.transport)
             await resp.prepare(request)
@@ -313,6 +320,7 @@ class Proxy:
                 try:
                     async with asyncio.timeout(idle):
                         chunk = await readany()
+                    last_at = time.perf_counter()
                 except TimeoutError:
                     failed = f"replica {replica} sent nothing for {idle:g} s"
                     break
@@ -336,7 +344,10 @@ class Proxy:
                 _in_background(_drain(upstream))
             else:
                 upstream.close()  # aborts the request on the engine if it is still running
-        return Relayed(resp, upstream.status, relay.usage, relay.answer, failed, held, relay.done and failed is None)
+        return Relayed(
+            resp, upstream.status, relay.usage, relay.answer, failed, held, relay.done and failed is None,
+            relay.events, last_at - began,
+        )  # fmt: skip
 
 
 _background: set[asyncio.Task[None]] = set()

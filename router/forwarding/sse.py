@@ -66,7 +66,7 @@ def _int_or_none(value: Any) -> int | None:
 class SseRelay:
     """Frames SSE events across chunk boundaries, reads usage, withholds the usage-only chunk."""
 
-    __slots__ = ("strip_usage", "usage", "done", "answer", "_pending")
+    __slots__ = ("strip_usage", "usage", "done", "answer", "events", "_pending")
 
     def __init__(self, strip_usage: bool):
         self.strip_usage = strip_usage
@@ -75,6 +75,9 @@ class SseRelay:
         # a Responses stream's final response object, once its last event was fed: the caller reads
         # it before it sends the client the bytes that hold it
         self.answer: dict[str, Any] | None = None
+        # data events before [DONE]: the output tokens of a stream whose replica reports no usage
+        # (vLLM streams one token an event); JSON escapes newlines, so a blank line ends an event
+        self.events = 0
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -85,8 +88,11 @@ class SseRelay:
             self._pending = data
             return b""
         complete, self._pending = data[:cut], data[cut:]
+        # events in it (whole ones only): the common case one C-speed count
+        self.events += complete.count(b"\n\n") if b"\r" not in complete else len(_EVENT_END.findall(complete))
         if _DONE in complete:
             self.done = True
+            self.events -= 1
         if _LOOK.search(complete) is None:
             return complete  # the common case: forwarded untouched, nothing decoded
         return b"".join(self._filter(ev) for ev in _split_events(complete))

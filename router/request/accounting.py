@@ -38,6 +38,14 @@ def engine_cached_tokens(usage: Usage | None, reports_details: bool) -> int | No
     return 0 if reports_details else None
 
 
+def output_tokens(usage: Usage | None, stream_events: int) -> int:
+    """The answer's output tokens: the usage the replica reports, else a stream's data events
+    (one token each, as vLLM streams; 0 for a whole answer without usage, which cannot be counted)."""
+    if usage is not None and usage.completion_tokens is not None:
+        return usage.completion_tokens
+    return stream_events
+
+
 class Accounting:
     """The router's steps after the answer: load released, rates learned, figures counted."""
 
@@ -57,12 +65,25 @@ class Accounting:
         the access log."""
         self.placement.finished(route.load_key)
         self.metrics.answered(route.model, outcome.replica or route.replica, outcome.status)
+        if 200 <= outcome.status < 300:
+            self._client_saw(route.model, outcome)
         usage, replica = outcome.usage, outcome.replica
         if usage is None or replica is None:
             return None
         if usage.cached_tokens is not None:
             self._reports_details.add(replica)
         return engine_cached_tokens(usage, replica in self._reports_details)
+
+    def _client_saw(self, model: str, outcome: Outcome) -> None:
+        """An answered request's SRE figures: end to end, output tokens, a stream's inter-token latency."""
+        sre = self.metrics.model(model).sre
+        if outcome.duration_s is not None:
+            sre.duration.observe(outcome.duration_s)
+        tokens = output_tokens(outcome.usage, outcome.events)
+        if tokens:
+            sre.output_tokens.inc(tokens)
+        if outcome.decode_s is not None and tokens > 1:
+            sre.inter_token_latency.observe(outcome.decode_s / (tokens - 1))
 
     def account(self, route: Route, cached_tokens: int | None) -> None:
         """The hit-rate breakdown, for answered requests only: the figures share one denominator."""

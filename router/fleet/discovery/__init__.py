@@ -12,6 +12,7 @@ from kvroute.router.fleet.discovery.base import DiscoverySource, Listing, Source
 from kvroute.router.fleet.discovery.dns import DnsSource, address_url, select_addresses
 from kvroute.router.fleet.discovery.event_endpoints import EventEndpointResolver, EventEndpoints, ReplicaEntry, entry_url
 from kvroute.router.fleet.discovery.k8s import K8sSource
+from kvroute.router.fleet.discovery.labels import replica_label, unique_labels
 from kvroute.router.fleet.discovery.metrics import DiscoveryMetrics
 from kvroute.router.fleet.discovery.redis_source import RedisSource
 from kvroute.router.fleet.discovery.static import StaticSource
@@ -31,5 +32,7 @@ __all__ = [
     "address_url",
     "entry_url",
     "normalize_url",
+    "replica_label",
     "select_addresses",
+    "unique_labels",
 ]

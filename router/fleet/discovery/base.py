@@ -24,5 +24,10 @@ class DiscoverySource(abc.ABC):
     async def list(self) -> Listing:
         """The replicas this source lists now; on failure, its last good answer (logged)."""
 
+    def label(self, url: str) -> str | None:
+        """The name this source knows the replica at ``url`` by (a pod's name, a configured name),
+        its metrics' ``replica`` label; None: it names none (fleet/discovery/labels.py decides)."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections this source opened."""

@@ -35,6 +35,7 @@ class ReplicaEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str
+    name: str | None = None  # its metrics' replica label (else its host:port)
     events_endpoint: str | None = None  # None: by convention; "": it publishes none
     replay_endpoint: str | None = None  # None: by convention; "": it has no replay socket
 

@@ -118,6 +118,7 @@ class K8sSource(DiscoverySource):
         for error in ("config", "connection", "api", "protocol"):  # at zero from the first scrape
             self.metrics.errors.labels("k8s", error)
         self._pods: dict[str, str] = {}  # pod name -> replica URL, ready pods only
+        self._names: dict[str, str] = {}  # replica URL -> pod name, of the last listing
         self._no_port_warned: set[str] = set()
         self._synced = asyncio.Event()  # the first list has landed
         self._task: asyncio.Task[None] | None = None
@@ -131,7 +132,12 @@ class K8sSource(DiscoverySource):
                     await self._synced.wait()
             except TimeoutError:
                 log.warning("Kubernetes discovery (%s) has no listing yet: pods join when it has", self.selector)
-        return dict.fromkeys(self._pods.values())
+        self._names = {url: pod for pod, url in self._pods.items()}  # as listed: label() reads it
+        return dict.fromkeys(self._names)
+
+    def label(self, url: str) -> str | None:
+        """The pod's name: stable across a restart in place (a StatefulSet's), where its IP is not."""
+        return self._names.get(url)
 
     async def close(self) -> None:
         if self._task is not None:

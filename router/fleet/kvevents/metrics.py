@@ -19,6 +19,7 @@ LAG_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0
 class KVEventMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
+        self.label_of: Callable[[str], str] = str  # a replica's name -> its label (the app binds the fleet's)
         self.applied = Counter(
             "kvroute_kv_events_applied", "KV events applied to the prefix index", ["replica", "type"], registry=r
         )
@@ -56,7 +57,7 @@ class KVEventMetrics:
         child.inc(n)
 
     def replica_series(self, replica: str) -> ReplicaSeries:
-        return ReplicaSeries(self, replica)
+        return ReplicaSeries(self, self.label_of(replica))
 
 
 class ReplicaSeries:
