@@ -164,8 +164,13 @@ async def test_with_a_secret_neither_a_new_nor_an_overwritten_registration_steer
             assert rogue.seen == []  # not one request, not even a health check: the key never went there
             samples = await scrape(app.url)
             # (its series restart when it rejoins: the requests since)
-            assert total(samples, "kvroute_requests_total", replica=legit, status="200") >= CHATS
-            assert total(samples, "kvroute_requests_total", replica=rogue.url) == 0
+            # series are labelled by the replica's name; kvroute_replica_info maps its URL to it
+            label = {dict(labels)["url"]: dict(labels)["replica"] for (name, labels) in samples
+                     if name == "kvroute_replica_info"}
+            assert total(samples, "kvroute_requests_total", replica=label[legit], status="200") >= CHATS
+            assert rogue.url not in label
+            for rogue_label in (rogue.url, rogue.url.split("//", 1)[1], "evil"):
+                assert total(samples, "kvroute_requests_total", replica=rogue_label) == 0
             warned = [r.getMessage() for r in caplog.records if "ignoring the Redis registration" in r.getMessage()]
             assert len([m for m in warned if "'evil'" in m and "unsigned" in m]) == 1, warned  # once, not per poll
             assert any(repr(legit) in m and "signature does not match" in m for m in warned), warned
