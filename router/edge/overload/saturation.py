@@ -1,0 +1,84 @@
+"""The router's own saturation, measured: how late the event loop runs, how many tokenizer jobs
+wait for a thread, and from those an in-flight limit that follows them.
+
+A router short of CPU does not refuse work by itself: every request it accepts makes each loop
+turn longer, and all of them slower.  Every ``TICK_S`` a callback measures how late it ran (the
+loop's lag).  Above ``saturated_loop_lag_s``, or with more than ``BACKLOG_PER_THREAD`` tokenizer
+jobs per thread waiting (tokenizing is the CPU a new prompt costs), the router is saturated and the
+limit comes down to 90% of what is in flight (at least ``MIN_LIMIT``); below half the lag and with
+no backlog it goes back up by 5% a tick towards ``max_in_flight`` (additive increase,
+multiplicative decrease, as TCP does it).  Requests over the limit queue (admission.py) instead of
+lengthening the loop: queueing holds a request for free, serving it costs everyone
+(design.md §7.6).  Every tick also measures the rate requests finish at while some wait, the queue's
+drain rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+TICK_S = 0.05
+MIN_LIMIT = 4
+BACKLOG_PER_THREAD = 4
+DECREASE = 0.9
+INCREASE = 0.05
+DRAIN_SMOOTHING = 0.2  # weight of the latest tick in the drain rate (a time constant of ~5 ticks)
+
+
+class Saturation:
+    def __init__(
+        self,
+        *,
+        max_in_flight: int,
+        max_loop_lag_s: float,
+        in_flight: Callable[[], int],
+        queued: Callable[[], int],
+        pool_backlog: Callable[[], int],
+        pool_threads: int,
+        on_tick: Callable[[], None],
+    ):
+        self.max_in_flight = max_in_flight
+        self.max_loop_lag_s = max_loop_lag_s
+        self.limit = float(max_in_flight)
+        self.lag_s = 0.0
+        self.drain_rate: float | None = None  # requests finished per second while some waited; None: not seen yet
+        self.finished = 0  # requests finished, counted by the caller
+        self._in_flight, self._queued = in_flight, queued
+        self._pool_backlog, self._max_backlog = pool_backlog, BACKLOG_PER_THREAD * max(1, pool_threads)
+        self._on_tick = on_tick
+        self._handle: asyncio.TimerHandle | None = None
+        self._last = 0.0
+        self._finished_then = 0
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+        self._handle = asyncio.get_running_loop().call_later(TICK_S, self._tick)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def saturated(self) -> bool:
+        lagging = self.max_loop_lag_s > 0 and self.lag_s > self.max_loop_lag_s
+        return lagging or self._pool_backlog() > self._max_backlog
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        elapsed = now - self._last
+        self.lag_s = max(0.0, elapsed - TICK_S)
+        self._last = now
+        finished, self._finished_then = self.finished - self._finished_then, self.finished
+        if self._queued() and elapsed > 0:  # the drain rate is only worth knowing while requests wait
+            rate = finished / elapsed
+            self.drain_rate = rate if self.drain_rate is None else (
+                DRAIN_SMOOTHING * rate + (1 - DRAIN_SMOOTHING) * self.drain_rate
+            )
+        if self.saturated():
+            self.limit = max(float(MIN_LIMIT), min(self.limit, self._in_flight()) * DECREASE)
+        elif self.lag_s < self.max_loop_lag_s / 2 or self.max_loop_lag_s == 0:
+            self.limit = min(float(self.max_in_flight), self.limit + max(1.0, self.limit * INCREASE))
+        self._handle = asyncio.get_running_loop().call_later(TICK_S, self._tick)
+        self._on_tick()
