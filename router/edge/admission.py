@@ -73,7 +73,7 @@ class Admission:
         self.saturation = Saturation(
             max_in_flight=max_in_flight, max_loop_lag_s=saturated_loop_lag_s if self.queueing else 0.0,
             in_flight=lambda: self.in_flight, queued=lambda: len(self.queue), pool_backlog=pool_backlog,
-            pool_threads=os.cpu_count() or 2, on_tick=self._on_tick,
+            pool_threads=os.cpu_count() or 2, on_tick=self._on_tick, drain_window_s=max_queue_wait_s,
         )
         self.queue = AdmissionQueue(
             max_wait_s=max_queue_wait_s, max_length=max_queue_length, weights=tenant_weights or {},

@@ -10,13 +10,16 @@ no backlog it goes back up by 5% a tick towards ``max_in_flight`` (additive incr
 multiplicative decrease, as TCP does it).  Requests over the limit queue (admission.py) instead of
 lengthening the loop: queueing holds a request for free, serving it costs everyone
 (design.md §7.6).  Every tick also measures the rate requests finish at while some wait, the queue's
-drain rate.
+drain rate: over the last ``DRAIN_WINDOW_S`` (or the budget, if longer), and only once
+``MIN_DRAIN_SAMPLES`` requests finished in it (a rate of 0 from a queue behind one long request says
+nothing certain).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 
 TICK_S = 0.05
@@ -24,7 +27,8 @@ MIN_LIMIT = 4
 BACKLOG_PER_THREAD = 4
 DECREASE = 0.9
 INCREASE = 0.05
-DRAIN_SMOOTHING = 0.2  # weight of the latest tick in the drain rate (a time constant of ~5 ticks)
+DRAIN_WINDOW_S = 1.0
+MIN_DRAIN_SAMPLES = 8
 
 
 class Saturation:
@@ -38,12 +42,15 @@ class Saturation:
         pool_backlog: Callable[[], int],
         pool_threads: int,
         on_tick: Callable[[], None],
+        drain_window_s: float = DRAIN_WINDOW_S,
     ):
         self.max_in_flight = max_in_flight
         self.max_loop_lag_s = max_loop_lag_s
         self.limit = float(max_in_flight)
         self.lag_s = 0.0
-        self.drain_rate: float | None = None  # requests finished per second while some waited; None: not seen yet
+        self.drain_rate: float | None = None  # requests finished per second while some waited; None: not known
+        self._drain_window_s = max(DRAIN_WINDOW_S, drain_window_s)
+        self._drained: deque[tuple[float, float, int]] = deque()  # (tick time, its length, finished) while queued
         self.finished = 0  # requests finished, counted by the caller
         self._in_flight, self._queued = in_flight, queued
         self._pool_backlog, self._max_backlog = pool_backlog, BACKLOG_PER_THREAD * max(1, pool_threads)
@@ -71,11 +78,13 @@ class Saturation:
         self.lag_s = max(0.0, elapsed - TICK_S)
         self._last = now
         finished, self._finished_then = self.finished - self._finished_then, self.finished
-        if self._queued() and elapsed > 0:  # the drain rate is only worth knowing while requests wait
-            rate = finished / elapsed
-            self.drain_rate = rate if self.drain_rate is None else (
-                DRAIN_SMOOTHING * rate + (1 - DRAIN_SMOOTHING) * self.drain_rate
-            )
+        if self._queued():  # the drain rate is only worth knowing while requests wait
+            self._drained.append((now, elapsed, finished))
+        while self._drained and self._drained[0][0] < now - self._drain_window_s:
+            self._drained.popleft()
+        done = sum(n for _, _, n in self._drained)
+        span = sum(dt for _, dt, _ in self._drained)
+        self.drain_rate = done / span if done >= MIN_DRAIN_SAMPLES and span > 0 else None
         if self.saturated():
             self.limit = max(float(MIN_LIMIT), min(self.limit, self._in_flight()) * DECREASE)
         elif self.lag_s < self.max_loop_lag_s / 2 or self.max_loop_lag_s == 0:
