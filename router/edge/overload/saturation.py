@@ -3,7 +3,7 @@ wait for a thread, and from those an in-flight limit that follows them.
 
 A router short of CPU does not refuse work by itself: every request it accepts makes each loop
 turn longer, and all of them slower.  Every ``TICK_S`` a callback measures how late it ran (the
-loop's lag).  Above ``saturated_loop_lag_s``, or with more than ``BACKLOG_PER_THREAD`` tokenizer
+loop's lag, smoothed over a couple of ticks).  Above ``saturated_loop_lag_s``, or with more than ``BACKLOG_PER_THREAD`` tokenizer
 jobs per thread waiting (tokenizing is the CPU a new prompt costs), the router is saturated and the
 limit comes down to 90% of what is in flight (at least ``MIN_LIMIT``); below half the lag and with
 no backlog it goes back up by 5% a tick towards ``max_in_flight`` (additive increase,
@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import Callable
 
 TICK_S = 0.05
-MIN_LIMIT = 4
+MIN_LIMIT = 16  # a floor: a lag from elsewhere (a busy shared core) never throttles a lightly loaded router
+LAG_SMOOTHING = 0.5  # weight of the latest tick: one late tick (the process descheduled once) is not saturation
 BACKLOG_PER_THREAD = 4
 DECREASE = 0.9
 INCREASE = 0.05
@@ -75,7 +76,7 @@ class Saturation:
     def _tick(self) -> None:
         now = time.perf_counter()
         elapsed = now - self._last
-        self.lag_s = max(0.0, elapsed - TICK_S)
+        self.lag_s = LAG_SMOOTHING * max(0.0, elapsed - TICK_S) + (1 - LAG_SMOOTHING) * self.lag_s
         self._last = now
         finished, self._finished_then = self.finished - self._finished_then, self.finished
         if self._queued():  # the drain rate is only worth knowing while requests wait
