@@ -9,7 +9,9 @@ two tenants (two API keys), the heavy one at ``--heavy-ratio`` times the light o
 configuration runs its own router over the same replicas, side by side: by default the router as it
 is and with ``--max-queue-wait-s 0`` (no queue: the immediate 429 of before).  Per step and tenant:
 offered, served and shed req/s, p50/p99 latency of served requests (from the scheduled send time, so
-a client that falls behind counts), and the router's p99 queue wait (its histogram, both tenants).
+a client that falls behind counts), the router's p99 queue wait (its histogram, both tenants: the
+smallest bucket bound holding 99%), and how late the load itself sent (p99: where this client is short
+of CPU, part of the latency is its own).
 A table on stdout, ``--json`` and ``--png`` files.  docs/experiments.md has what it measured.
 
   python -m kvroute.bench.overload --json overload.json --png docs/overload.png
@@ -83,14 +85,17 @@ class Connections:
 class TenantStep:
     offered: float  # req/s scheduled
     latencies: list[float] = field(default_factory=list)  # served (200), from the scheduled time
+    late: list[float] = field(default_factory=list)  # how late this client sent each request (its own lag)
     shed: int = 0  # 429
     failed: int = 0  # anything else
 
     def summary(self, duration_s: float) -> dict:
         lat = sorted(self.latencies)
         q = (lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 1) if lat else None)
+        late = sorted(self.late)
         return {"offered_rps": round(self.offered, 1), "served_rps": round(len(lat) / duration_s, 1),
-                "shed_rps": round(self.shed / duration_s, 1), "failed": self.failed, "p50_ms": q(0.5), "p99_ms": q(0.99)}
+                "shed_rps": round(self.shed / duration_s, 1), "failed": self.failed, "p50_ms": q(0.5), "p99_ms": q(0.99),
+                "client_late_p99_ms": round(late[int(0.99 * (len(late) - 1))] * 1000, 1) if late else None}
 
 
 async def closed_loop(port: int, connections: int, duration_s: float) -> float:
@@ -125,8 +130,9 @@ async def open_loop(port: int, rates: dict[str, float], duration_s: float, seed:
     schedule.sort()
 
     async def one(at: float, name: str) -> None:
-        status = await pools[name].send(requests[name])
         step = steps[name]
+        step.late.append(time.perf_counter() - at)
+        status = await pools[name].send(requests[name])
         if status == 200:
             step.latencies.append(time.perf_counter() - at)
         elif status == 429:
@@ -236,13 +242,14 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 HEADER = (f"{'config':>8} {'load':>5} {'tenant':>6} {'offered':>8} {'served':>8} {'shed':>8} "
-          f"{'p50 ms':>8} {'p99 ms':>8} {'wait p99':>9}")
+          f"{'p50 ms':>8} {'p99 ms':>8} {'wait p99':>9} {'late p99':>9}")
 
 
 def table_row(row: dict) -> str:
     fmt = (lambda v: "-" if v is None else f"{v:.0f}")
     return (f"{row['config']:>8} {row['multiple']:>4}x {row['tenant']:>6} {row['offered_rps']:>8.0f} {row['served_rps']:>8.0f} "
-            f"{row['shed_rps']:>8.0f} {fmt(row['p50_ms']):>8} {fmt(row['p99_ms']):>8} {fmt(row['queue_wait_p99_ms']):>9}")
+            f"{row['shed_rps']:>8.0f} {fmt(row['p50_ms']):>8} {fmt(row['p99_ms']):>8} {fmt(row['queue_wait_p99_ms']):>9} "
+            f"{fmt(row['client_late_p99_ms']):>9}")
 
 
 def plot(result: dict, path: Path) -> None:
