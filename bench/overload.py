@@ -6,8 +6,9 @@ pinned with ``taskset`` to ``--router-cores`` (default 0, when taskset exists), 
 keep-alive connections, closed loop.  Then offered load steps through ``--steps`` multiples of it
 (0.5x to 3x), open loop (Poisson arrivals at fixed times, whether or not earlier answers came), from
 two tenants (two API keys), the heavy one at ``--heavy-ratio`` times the light one's rate.  Each
-configuration runs its own router over the same replicas, side by side: by default the router as it
-is and with ``--max-queue-wait-s 0`` (no queue: the immediate 429 of before).  Per step and tenant:
+configuration runs its own router over the same replicas (all pinned alike, one loaded at a time),
+each step on each in turn, side by side: by default the router as it is and with
+``--max-queue-wait-s 0`` (no queue: the 429 at ``--max-in-flight`` of before).  Per step and tenant:
 offered, served and shed req/s, p50/p99 latency of served requests (from the scheduled send time, so
 a client that falls behind counts), the router's p99 queue wait (its histogram, both tenants: the
 smallest bucket bound holding 99%), and how late the load itself sent (p99: where this client is short
@@ -207,35 +208,34 @@ async def run(args: argparse.Namespace) -> dict:
                                       str(TOKENIZER), "--time-scale", "0", "--log-level", "warning"])
             procs.append(proc)
             urls.append(url)
-        capacity = None
+        routers = {}  # every configuration's router up at once: each step runs on each in turn, side by side
         for name, extra in args.config:
             router, url = await spawn([*pin(args.router_cores), py, "-m", "kvroute.cli", "router", "--host", "127.0.0.1",
                                         "--port", "0", "--replicas", ",".join(urls), "--tokenizer", str(TOKENIZER),
                                         "--log-level", "error", "--no-access-log", *extra])
-            port = int(url.rsplit(":", 1)[-1])
+            procs.append(router)
+            routers[name] = url
             await ready(url)
-            try:
-                await closed_loop(port, args.connections, 2.0)  # warm-up: connections, caches
-                if capacity is None:  # measured once, on the first configuration's router
-                    capacity = await closed_loop(port, args.connections, args.duration)
-                    out["capacity_rps"] = round(capacity, 1)
-                    print(f"capacity: {capacity:.0f} req/s (closed loop, {args.connections} connections)", flush=True)
-                rows = []
-                for i, multiple in enumerate(args.steps):
-                    total = multiple * capacity
-                    light = total / (1 + args.heavy_ratio)
-                    before = queue_wait(url)
-                    steps = await open_loop(port, {"heavy": total - light, "light": light}, args.duration, seed=i)
-                    wait_p99 = p99_between(before, queue_wait(url))
-                    for tenant in TENANTS:
-                        row = {"config": name, "multiple": multiple, "tenant": tenant,
-                               **steps[tenant].summary(args.duration), "queue_wait_p99_ms": wait_p99}
-                        rows.append(row)
-                        print(table_row(row), flush=True)
-                    await asyncio.sleep(1.0)  # the router drains between steps
-                out["configs"][name] = {"router_args": extra, "rows": rows}
-            finally:
-                await stop_all([router])
+            await closed_loop(int(url.rsplit(":", 1)[-1]), args.connections, 2.0)  # warm-up: connections, caches
+            out["configs"][name] = {"router_args": extra, "rows": []}
+        first = next(iter(routers.values()))
+        capacity = await closed_loop(int(first.rsplit(":", 1)[-1]), args.connections, args.duration)
+        out["capacity_rps"] = round(capacity, 1)
+        print(f"capacity: {capacity:.0f} req/s (closed loop, {args.connections} connections, the first router)", flush=True)
+        for i, multiple in enumerate(args.steps):
+            total = multiple * capacity
+            light = total / (1 + args.heavy_ratio)
+            for name, url in routers.items():
+                before = queue_wait(url)
+                steps = await open_loop(int(url.rsplit(":", 1)[-1]), {"heavy": total - light, "light": light},
+                                        args.duration, seed=i)
+                wait_p99 = p99_between(before, queue_wait(url))
+                for tenant in TENANTS:
+                    row = {"config": name, "multiple": multiple, "tenant": tenant,
+                           **steps[tenant].summary(args.duration), "queue_wait_p99_ms": wait_p99}
+                    out["configs"][name]["rows"].append(row)
+                    print(table_row(row), flush=True)
+                await asyncio.sleep(1.0)  # the router drains before the next run
     finally:
         await stop_all(procs)
     return out

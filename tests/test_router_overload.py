@@ -21,6 +21,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from kvroute.router.config import load_settings
+from kvroute.router.edge.overload.fair_queue import FairQueue, Queued
 from kvroute.router.main import main
 from tests.router_support import MODEL, ScriptedReplica, openai_client, running_router, sample, scrape
 
@@ -216,3 +217,21 @@ def test_overload_settings_parse():
     assert s.max_queue_wait_s == 0.25 and [str(n) for n in s.trusted_proxies] == ["10.0.0.0/8", "::1/128"]
     assert s.tenant_weights == {"user:alice": 3.0, "key-0123456789": 0.5}
     assert load_settings([]).max_queue_wait_s == 1.0 and load_settings([]).trusted_proxies == []
+
+
+def test_weights_share_the_queue_and_an_idle_tenant_starts_even():
+    """FairQueue alone: a tenant of weight 2 is served twice as often as one of weight 1 while both
+    have a backlog; a tenant arriving late is not owed the turns it did not ask for, nor behind."""
+    fair = FairQueue({"user:gold": 2.0})
+    for i in range(30):
+        fair.push(Queued("user:gold", 1))
+        fair.push(Queued("user:plain", 1))
+    served = [fair.pop().tenant for _ in range(30)]
+    assert served.count("user:gold") == 20 and served.count("user:plain") == 10
+    fair.push(Queued("addr:late", 1))
+    assert [fair.pop().tenant for _ in range(3)].count("addr:late") == 1  # next in line, not first of all
+    # the largest backlog for its weight sheds first: plain's 20 left (weight 1) over gold's 10 (weight 2)
+    assert fair.last() is not None and fair.last().tenant == "user:plain"
+    low = Queued("user:plain", 2)
+    fair.push(low)
+    assert fair.last() is low  # ... after the lowest class

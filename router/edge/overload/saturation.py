@@ -3,16 +3,16 @@ wait for a thread, and from those an in-flight limit that follows them.
 
 A router short of CPU does not refuse work by itself: every request it accepts makes each loop
 turn longer, and all of them slower.  Every ``TICK_S`` a callback measures how late it ran (the
-loop's lag, smoothed over a couple of ticks).  Above ``saturated_loop_lag_s``, or with more than ``BACKLOG_PER_THREAD`` tokenizer
-jobs per thread waiting (tokenizing is the CPU a new prompt costs), the router is saturated and the
-limit comes down to 90% of what is in flight (at least ``MIN_LIMIT``); below half the lag and with
-no backlog it goes back up by 5% a tick towards ``max_in_flight`` (additive increase,
-multiplicative decrease, as TCP does it).  Requests over the limit queue (admission.py) instead of
-lengthening the loop: queueing holds a request for free, serving it costs everyone
-(design.md §7.6).  Every tick also measures the rate requests finish at while some wait, the queue's
-drain rate: over the last ``DRAIN_WINDOW_S`` (or the budget, if longer), and only once
-``MIN_DRAIN_SAMPLES`` requests finished in it (a rate of 0 from a queue behind one long request says
-nothing certain).
+loop's lag, smoothed over a couple of ticks).  Above ``saturated_loop_lag_s``, or with more than
+``BACKLOG_PER_THREAD`` tokenizer jobs per thread waiting (tokenizing is the CPU a new prompt costs),
+the router is saturated and the limit comes down to 90% of what is in flight (at least
+``MIN_LIMIT``); otherwise it climbs back by 10% a tick towards ``max_in_flight`` (a limit left low
+on a shared core would throttle a router that could serve more: the floor and the quick climb keep
+that short).  Requests over the limit queue (admission.py) instead of lengthening the loop: queueing
+holds a request for free, serving it costs everyone (design.md §7.6).  Every tick also measures the
+rate requests finish at while some wait, the queue's drain rate: over the last ``DRAIN_WINDOW_S`` (or
+the budget, if longer), and only once ``MIN_DRAIN_SAMPLES`` requests finished in it (a rate of 0 from
+a queue behind one long request says nothing certain).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from collections import deque
 from collections.abc import Callable
 
 TICK_S = 0.05
-MIN_LIMIT = 16  # a floor: a lag from elsewhere (a busy shared core) never throttles a lightly loaded router
+MIN_LIMIT = 32  # a floor: a lag from elsewhere (a busy shared core) never throttles a lightly loaded router
 LAG_SMOOTHING = 0.5  # weight of the latest tick: one late tick (the process descheduled once) is not saturation
 BACKLOG_PER_THREAD = 4
 DECREASE = 0.9
-INCREASE = 0.05
+INCREASE = 0.1
 DRAIN_WINDOW_S = 1.0
 MIN_DRAIN_SAMPLES = 8
 
@@ -88,7 +88,7 @@ class Saturation:
         self.drain_rate = done / span if done >= MIN_DRAIN_SAMPLES and span > 0 else None
         if self.saturated():
             self.limit = max(float(MIN_LIMIT), min(self.limit, self._in_flight()) * DECREASE)
-        elif self.lag_s < self.max_loop_lag_s / 2 or self.max_loop_lag_s == 0:
-            self.limit = min(float(self.max_in_flight), self.limit + max(1.0, self.limit * INCREASE))
+        else:
+            self.limit = min(float(self.max_in_flight), self.limit + max(2.0, self.limit * INCREASE))
         self._handle = asyncio.get_running_loop().call_later(TICK_S, self._tick)
         self._on_tick()
