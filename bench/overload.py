@@ -10,8 +10,8 @@ configuration runs its own router over the same replicas (all pinned alike, one 
 each step on each in turn, side by side: by default the router as it is and with
 ``--max-queue-wait-s 0`` (no queue: the 429 at ``--max-in-flight`` of before).  Per step and tenant:
 offered, served and shed req/s, p50/p99 latency of served requests (from the scheduled send time, so
-a client that falls behind counts), the router's p99 queue wait (its histogram, both tenants: the
-smallest bucket bound holding 99%), and how late the load itself sent (p99: where this client is short
+a client that falls behind counts), the router's p99 queue wait (its histogram, both tenants, every
+admitted request: the smallest bucket bound holding 99%), and how late the load itself sent (p99: where this client is short
 of CPU, part of the latency is its own).
 A table on stdout, ``--json`` and ``--png`` files.  docs/experiments.md has what it measured.
 

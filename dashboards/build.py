@@ -246,8 +246,8 @@ FLEET = dashboard(
         Panel("Queue wait",
               [(_q(0.5, "le", rrate("kvroute_queue_wait_seconds_bucket")), "p50"),
                (_q(0.99, "le", rrate("kvroute_queue_wait_seconds_bucket")), "p99")],
-              unit="s", width=6, description="How long requests admitted after queueing waited (at most "
-                                             "max_queue_wait_s)." + ROUTER_WIDE),
+              unit="s", width=6, description="How long admitted requests waited for room (0 when they found it "
+                                             "at once; at most max_queue_wait_s)." + ROUTER_WIDE),
         Panel("Shed requests / s by reason and class",
               [(f"sum by (reason, priority) ({rrate('kvroute_shed_requests_total')})", "{{reason}} {{priority}}")],
               unit="reqps", width=6, description="Requests answered 429 router_overloaded: over_budget (refused on "

@@ -89,7 +89,8 @@ _QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.
 
 
 class OverloadMetrics:
-    """``kvroute_queue_depth``, ``kvroute_queue_wait_seconds`` (requests admitted after queueing),
+    """``kvroute_queue_depth``, ``kvroute_queue_wait_seconds`` (every admitted request: 0 for those
+    that found room at once, so its quantiles are the share of all requests that waited),
     ``kvroute_shed_requests_total{reason,priority}`` (429s: ``no_queue`` at the limit without a queue,
     ``over_budget`` refused on arrival, ``displaced`` pushed out of the queue, ``timeout`` waited the
     budget out), ``kvroute_admission_limit`` (the in-flight limit saturation sets) and
@@ -101,7 +102,7 @@ class OverloadMetrics:
             registry=registry,
         )
         self.queue_wait = Histogram(
-            "kvroute_queue_wait_seconds", "time a request admitted after queueing waited in the admission queue",
+            "kvroute_queue_wait_seconds", "time an admitted request waited in the admission queue (0: room at once)",
             buckets=_QUEUE_WAIT_BUCKETS, registry=registry,
         )
         self.shed_requests = Counter(

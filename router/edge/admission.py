@@ -129,6 +129,7 @@ class Admission:
         header = header_priority(request.headers.get(PRIORITY_HEADER)) if request is not None else None
         if not len(self.queue) and self.queue.has_room():
             self._take()
+            self.metrics.overload.queue_wait.observe(0.0)  # the histogram counts every admitted request
             return
         if not self.queueing:
             self.metrics.overload.shed("no_queue", header or Priority.NORMAL)
