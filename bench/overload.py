@@ -66,7 +66,10 @@ class Connections:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def send(self, request: bytes) -> int:
-        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
+        except OSError:  # out of descriptors or refused: counted as failed, as a client would see it
+            return 0
         writer.write(request)
         try:
             status = await read_answer(reader)
