@@ -21,8 +21,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from kvroute.router.config import load_settings
+from kvroute.router.edge.admission import Admission
 from kvroute.router.edge.overload.fair_queue import FairQueue, Queued
 from kvroute.router.main import main
+from kvroute.router.metrics import RouterMetrics
 from tests.router_support import MODEL, ScriptedReplica, openai_client, running_router, sample, scrape
 
 MSGS = [{"role": "user", "content": "Hello there"}]
@@ -238,3 +240,29 @@ def test_weights_share_the_queue_and_an_idle_tenant_starts_even():
     low = Queued("user:plain", 2)
     fair.push(low)
     assert fair.last() is low  # ... after the lowest class
+
+
+async def test_a_lagging_loop_lowers_the_admission_limit_then_the_queue_drains_as_it_recovers():
+    """The real Admission on this loop: a turn blocked for 0.3 s (a saturated router's long turn)
+    brings the limit under what is in flight, so a new request queues though max_in_flight has room;
+    once the lag is gone the limit climbs back and the request is admitted, nothing released."""
+    admission = Admission(client_keys=[], admin_token=None, max_in_flight=400, retry_after_s=1,
+                          metrics=RouterMetrics("cost_model"), max_queue_wait_s=5.0, saturated_loop_lag_s=0.05)
+    admission.start()
+    try:
+        for _ in range(100):
+            await admission.admit()
+        assert admission.limit() == 400
+        time.sleep(0.3)  # blocks the loop: the next tick runs 0.3 s late
+        async with asyncio.timeout(5):
+            while admission.limit() >= 100:
+                await asyncio.sleep(0.01)
+        assert admission.limit() >= 32  # never below the floor
+        late = asyncio.create_task(admission.admit())
+        await asyncio.sleep(0)
+        assert len(admission.queue) == 1 and admission.in_flight == 100  # queued, with room under max_in_flight
+        async with asyncio.timeout(5):
+            await late  # the limit climbed back over 100
+        assert admission.in_flight == 101 and admission.saturation.lag_s < 0.05
+    finally:
+        admission.stop()
