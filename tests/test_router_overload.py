@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import logging
 import time
 from typing import Any
@@ -264,5 +265,29 @@ async def test_a_lagging_loop_lowers_the_admission_limit_then_the_queue_drains_a
         async with asyncio.timeout(5):
             await late  # the limit climbed back over 100
         assert admission.in_flight == 101 and admission.saturation.lag_s < 0.05
+    finally:
+        admission.stop()
+
+
+async def test_a_backed_up_tokenizer_pool_lowers_the_admission_limit():
+    """Jobs waiting for a tokenizer thread (the CPU new prompts cost) count as saturation too."""
+    from kvroute.common.tokens import Tokenizer
+    from tests.router_support import TINY_TOKENIZER
+
+    tokenizer = Tokenizer.from_dir(TINY_TOKENIZER)
+    admission = Admission(client_keys=[], admin_token=None, max_in_flight=400, retry_after_s=1,
+                          metrics=RouterMetrics("cost_model"), max_queue_wait_s=5.0, saturated_loop_lag_s=0.0)
+    admission.start()
+    try:
+        for _ in range(100):
+            await admission.admit()
+        jobs = [asyncio.create_task(tokenizer.run(lambda: time.sleep(0.05))) for _ in range(16 * (os.cpu_count() or 2))]
+        async with asyncio.timeout(5):
+            while admission.limit() >= 100:
+                await asyncio.sleep(0.01)
+        await asyncio.gather(*jobs)
+        async with asyncio.timeout(5):  # the backlog gone, the limit climbs back
+            while admission.limit() < 400:
+                await asyncio.sleep(0.01)
     finally:
         admission.stop()
