@@ -5,7 +5,7 @@
 replica, tokens ...) and ``exc`` with a traceback.  ``text`` is the classic line, with the extra
 fields appended as ``key=value`` (and a traceback as the field ``exc``).
 
-A record is one line in either format, whatever a client sent (docs/design.md §7.7): in text lines
+A record is one line in either format, whatever a client sent (docs/design.md §7.8): in text lines
 the message and every value are escaped (a backslash and every character Python does not call
 printable: controls such as CR, LF and ESC, Unicode line separators, invisible format characters
 such as bidi overrides, spaces other than the space, become ``\n``, ``\x1b``, ``\u202e`` ...),

@@ -1,4 +1,4 @@
-"""Signed replica registrations (docs/design.md §7.6): whoever can write to Redis must not be able
+"""Signed replica registrations (docs/design.md §7.7): whoever can write to Redis must not be able
 to add a replica, or point a registered one elsewhere, and so receive prompts and the fleet's
 API key.
 

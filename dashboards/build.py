@@ -269,6 +269,26 @@ FLEET = dashboard(
               [(f"sum by (instance) ({routed(f'process_resident_memory_bytes{{{T}}}')})", "{{instance}}")],
               unit="bytes", description="Resident memory of each router (with --workers: its processes summed)."
                                         + ROUTER_WIDE),
+        # -- overload: the admission queue (docs/design.md §7.6) --
+        Panel("Admission queue depth", [(f"sum by (instance) ({routed(f'kvroute_queue_depth{{{T}}}')})", "{{instance}}")],
+              unit="short", width=6, description="Requests waiting for room in each router's admission queue "
+                                                 "(all its workers)." + ROUTER_WIDE),
+        Panel("Queue wait",
+              [(_q(0.5, "le", rrate("kvroute_queue_wait_seconds_bucket")), "p50"),
+               (_q(0.99, "le", rrate("kvroute_queue_wait_seconds_bucket")), "p99")],
+              unit="s", width=6, description="How long admitted requests waited for room (0 when they found it "
+                                             "at once; at most max_queue_wait_s)." + ROUTER_WIDE),
+        Panel("Shed requests / s by reason and class",
+              [(f"sum by (reason, priority) ({rrate('kvroute_shed_requests_total')})", "{{reason}} {{priority}}")],
+              unit="reqps", width=6, description="Requests answered 429 router_overloaded: over_budget (refused on "
+                                                 "arrival), displaced (pushed out by a more urgent or fairer one), "
+                                                 "timeout (waited the budget out), no_queue (max_queue_wait_s 0)."
+                                                 + ROUTER_WIDE),
+        Panel("Event-loop lag", [(f"max by (instance) ({routed(f'kvroute_event_loop_lag_seconds{{{T}}}')})",
+                                  "{{instance}}")],
+              unit="s", width=6, description="How late each router's event loop runs (its worst worker): above "
+                                             "saturated_loop_lag_s the router lowers its admission limit and "
+                                             "requests queue." + ROUTER_WIDE),
     ],
 )
 

@@ -40,6 +40,7 @@ from kvroute.router.edge.access_log import AccessLog
 from kvroute.router.edge.admission import Admission
 from kvroute.router.edge.body import BodyReader
 from kvroute.router.edge.cutoff import RequestCutoff
+from kvroute.router.edge.forwarded import ClientAddress
 from kvroute.router.edge.handlers import Handlers, know_models, replica_status
 from kvroute.router.edge.request_id import request_id_middleware, request_id_of
 from kvroute.router.edge.connections import ConnectionMetrics, connection_cap, open_file_limit
@@ -76,6 +77,7 @@ class RouterApp:
         self._worker = worker  # one of --workers N (router/workers.py), or None: the only process
         self.worker_metrics: WorkerMetrics | None = None
         self.cutoff = RequestCutoff()
+        self.client_address = ClientAddress(settings.trusted_proxies)  # the peer, or X-Forwarded-For behind a proxy
         self.bodies = BodyReader(
             settings.max_body_bytes, settings.max_body_reads, settings.max_body_read_bytes, settings.retry_after_s
         )
@@ -144,6 +146,11 @@ class RouterApp:
             max_in_flight=s.max_in_flight,
             retry_after_s=s.retry_after_s,
             metrics=self.metrics,
+            max_queue_wait_s=s.max_queue_wait_s,
+            max_queue_length=s.max_queue_length,
+            saturated_loop_lag_s=s.saturated_loop_lag_s,
+            tenant_weights=s.tenant_weights,
+            client_address=self.client_address,
         )
         self.handlers = Handlers(
             s,
@@ -185,7 +192,7 @@ class RouterApp:
             know_models(self.metrics, self.fleet)
             middlewares = [request_id_middleware, self.cutoff.middleware, error_middleware]
             if s.access_log:  # outside the cutoff and error middlewares: it sees the status they answer
-                middlewares.insert(1, AccessLog(request_id_of).middleware)
+                middlewares.insert(1, AccessLog(request_id_of, self.client_address).middleware)
             app = web.Application(middlewares=middlewares, client_max_size=s.max_body_bytes)
             self.cutoff.attach(app)
             app.on_response_prepare.append(announce_close)
@@ -208,6 +215,7 @@ class RouterApp:
                 ssl_context=listener_tls, handshake_timeout_s=s.header_timeout_s or None,
             )
             await site.start()
+            self.admission.start()  # the loop's lag and the tokenizer pool watched (with a queue)
             if self.worker_metrics is not None:
                 self.worker_metrics.start()
         except BaseException:
@@ -270,6 +278,7 @@ class RouterApp:
         self._started = False
         if self.worker_metrics is not None:
             await self.worker_metrics.stop()
+        self.admission.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

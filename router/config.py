@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import Field, IPvAnyNetwork, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -186,6 +186,33 @@ class RouterSettings(BaseSettings):
         "(raised to the hard limit at start) less 256 and less one upstream connection per request in flight"
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
+
+    # -- overload: the admission queue and fair share (router/edge/overload/, design.md §7.6) --
+    max_queue_wait_s: float = Field(
+        1.0, ge=0, description="longest a request waits in the admission queue while the router is saturated "
+        "(in-flight at its limit, the event loop lagging, the tokenizer pool backed up) before a 429 "
+        "router_overloaded; one whose wait would certainly pass it is refused at once; 0: no queue (a 429 at "
+        "--max-in-flight, at once), per worker", json_schema_extra=_hint("SECONDS"),
+    )
+    max_queue_length: int = Field(
+        1024, gt=0, description="requests waiting in the admission queue at most, per worker (the lowest class "
+        "and the heaviest tenant's latest are refused first above)"
+    )
+    saturated_loop_lag_s: float = Field(
+        0.05, ge=0, description="event-loop lag above which the router counts itself saturated: new requests "
+        "queue and its in-flight limit comes down until the lag does (0: the lag is not watched)",
+        json_schema_extra=_hint("SECONDS"),
+    )
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict, description="a tenant's share of a saturated router against the others' (default "
+        "1); tenants are named key-<first 10 hex of the key's sha256>, user:<user field> or addr:<client address>",
+        json_schema_extra=_hint("TENANT=WEIGHT"),
+    )
+    trusted_proxies: Annotated[list[IPvAnyNetwork], NoDecode] = Field(
+        default_factory=list, description="CIDRs of proxies whose X-Forwarded-For names the client (tenant and "
+        "access log); comma-separated; empty: the peer address is the client",
+        json_schema_extra=_hint("CIDR[,CIDR...]"),
+    )
     max_body_reads: int = Field(
         1024, gt=0, description="request bodies being received at once (503 above; a body sent whole is never refused)"
     )
@@ -274,6 +301,19 @@ class RouterSettings(BaseSettings):
     def _known_policy(cls, value: str) -> str:
         if value not in POLICIES:
             raise ValueError(f"unknown policy {value!r}; choose from {', '.join(POLICIES)}")
+        return value
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _split_proxies(cls, value: Any) -> Any:
+        return _comma_list(value)
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _positive_weights(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {k: w for k, w in value.items() if not (w > 0 and math.isfinite(w))}
+        if bad:
+            raise ValueError(f"tenant weights must be positive numbers: {bad}")
         return value
 
     @field_validator("api_keys", mode="before")

@@ -105,6 +105,50 @@ class _ReplicaInfoCollector(Collector):
         yield family
 
 
+# -- overload: the admission queue (router/edge/overload/, design.md §7.6) -------------------------
+# Labels are bounded: the priority class (3) and the reason (4), never a tenant.
+SHED_REASONS = ("no_queue", "over_budget", "displaced", "timeout")
+PRIORITY_CLASSES = ("high", "normal", "low")
+_QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+
+
+class OverloadMetrics:
+    """``kvroute_queue_depth``, ``kvroute_queue_wait_seconds`` (every admitted request: 0 for those
+    that found room at once, so its quantiles are the share of all requests that waited),
+    ``kvroute_shed_requests_total{reason,priority}`` (429s: ``no_queue`` at the limit without a queue,
+    ``over_budget`` refused on arrival, ``displaced`` pushed out of the queue, ``timeout`` waited the
+    budget out), ``kvroute_admission_limit`` (the in-flight limit saturation sets) and
+    ``kvroute_event_loop_lag_seconds``; each worker's own, added up (the lag: the worst)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.queue_depth = Gauge(
+            "kvroute_queue_depth", "requests waiting in the admission queue", multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "kvroute_queue_wait_seconds", "time an admitted request waited in the admission queue (0: room at once)",
+            buckets=_QUEUE_WAIT_BUCKETS, registry=registry,
+        )
+        self.shed_requests = Counter(
+            "kvroute_shed_requests", "requests refused 429 router_overloaded, by reason and priority class",
+            ["reason", "priority"], registry=registry,
+        )
+        self.limit = Gauge(
+            "kvroute_admission_limit", "requests admitted at once: max_in_flight, lowered while the router is saturated",
+            multiprocess_mode="livesum", registry=registry,
+        )
+        self.loop_lag = Gauge(
+            "kvroute_event_loop_lag_seconds", "how late the event loop ran a timer at the last check (every 50 ms)",
+            multiprocess_mode="livemax", registry=registry,
+        )
+        self._shed = {(reason, priority): self.shed_requests.labels(reason, priority)
+                      for reason in SHED_REASONS for priority in PRIORITY_CLASSES}
+
+    def shed(self, reason: str, priority: Any) -> None:
+        """``priority``: a class with a ``label`` (router/edge/overload/tenants.py's ``Priority``)."""
+        self._shed[(reason, priority.label)].inc()
+
+
 @dataclass
 class ModelSeries:
     """One model's children of the labelled metrics, bound once (``labels()`` costs microseconds)."""
@@ -219,6 +263,7 @@ class RouterMetrics:
         self.index = IndexMetrics(r)  # the index client's calls, failures and rebuilds
         self.sre = SreMetrics(r)  # end to end, inter-token latency, output tokens per model
         register_process_metrics(r)  # process_*: this process, or the supervisor and its workers
+        self.overload = OverloadMetrics(r)  # the admission queue (router/edge/overload/)
         # series known from the start
         for reason in reasons:
             self.decisions.labels(policy, reason)

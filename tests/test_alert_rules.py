@@ -166,6 +166,49 @@ CASES: dict[str, dict[str, Any]] = {
             alert("KvrouteRegistrationRejected", "17m"),  # gone at 10m: its 5-minute window has passed
         ],
     },
+    # router 1 sheds 10% of its requests for good; router 2 sheds 30% for 5 minutes (a spike the queue
+    # did not absorb), then nothing
+    "shedding": {
+        "input_series": [
+            series("kvroute_requests_total", {**ROUTER, "model": "m", "replica": R1, "status": "200"}, "0+90x100"),
+            series("kvroute_requests_total", {**ROUTER, "model": "unknown", "replica": "none", "status": "429"},
+                   "0+10x100"),
+            series("kvroute_shed_requests_total", {**ROUTER, "reason": "timeout", "priority": "normal"}, "0+10x100"),
+            series("kvroute_requests_total", {**OTHER_ROUTER, "model": "m", "replica": R1, "status": "200"}, "0+70x100"),
+            series("kvroute_shed_requests_total", {**OTHER_ROUTER, "reason": "over_budget", "priority": "low"},
+                   "0+30x20 600x80"),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteShedding", "8m"),  # not for 10 minutes yet
+            alert("KvrouteShedding", "20m", {"severity": "warning", "instance": ROUTER["instance"]}),
+        ],
+    },
+    # router 1 refuses connections for good and evicts 5 a second; router 2 evicts one every 15 s
+    "client_connections": {
+        "input_series": [
+            series("kvroute_client_connections_shed_total", {**ROUTER, "action": "refused"}, "0+3x100"),
+            series("kvroute_client_connections_shed_total", {**ROUTER, "action": "evicted"}, "0+75x100"),
+            series("kvroute_client_connections_shed_total", {**OTHER_ROUTER, "action": "refused"}, "0x100"),
+            series("kvroute_client_connections_shed_total", {**OTHER_ROUTER, "action": "evicted"}, "0+1x100"),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteClientConnectionsRefused", "10m",
+                  {"severity": "critical", "instance": ROUTER["instance"], "action": "refused"}),
+            alert("KvrouteClientConnectionsEvicted", "12m"),  # not for 15 minutes yet
+            alert("KvrouteClientConnectionsEvicted", "24m",
+                  {"severity": "warning", "instance": ROUTER["instance"], "action": "evicted"}),
+        ],
+    },
+    # R1 refuses the router's key for good; R2 refused it for a minute (a key rotated on both ends)
+    "replica_auth": {
+        "input_series": [
+            series("kvroute_replica_auth_refusals_total", {**ROUTER, "replica": R1}, "0+1x100"),
+            series("kvroute_replica_auth_refusals_total", {**ROUTER, "replica": R2}, "0 1 2 3 4 4x96"),
+        ],
+        "alert_rule_test": [
+            alert("KvrouteReplicaAuthRefused", "20m", {"severity": "warning", "replica": R1}),
+        ],
+    },
     # every lookup fails for 10 minutes: a warning, not a page
     "redis_errors": {
         "input_series": [

@@ -80,11 +80,20 @@ EXPECTED_ALERTS = ("KvrouteDeliveredReuseLow", "KvrouteReplicaShareHigh", "Kvrou
                    "KvrouteKvEventGaps", "KvrouteIndexRebuilt", "KvrouteNoHealthyReplica", "KvrouteRouterTargetDown",
                    "KvrouteBreakerOpen", "KvrouteKvEventStreamDown", "KvrouteKvEventLagHigh",
                    "KvrouteDiscoveryErrors", "KvrouteRegistrationRejected", "KvrouteTtftBudgetBurn",
-                   "KvrouteRequestsThrottled")
+                   "KvrouteRequestsThrottled", "KvrouteShedding", "KvrouteClientConnectionsRefused",
+                   "KvrouteClientConnectionsEvicted", "KvrouteReplicaAuthRefused")
 # the TTFT objective the live rules get (the chart's alerts.ttftObjectiveSeconds writes one so): the
 # smallest bucket bound, which the streams through a router here miss (deploy/prometheus/alerts.yml)
 TTFT_OBJECTIVE = 'le="0.005"'
 SHIPPED_TTFT_OBJECTIVE = 'le="2.5"'
+# alerts this fleet does not provoke (tests/test_alert_rules.py fires them from synthetic series):
+# shedding, the connection cap and a replica refusing the router's key need a saturated router, a
+# router at its open-file limit and a misconfigured key (tests/test_router_overload.py,
+# test_router_connections.py and test_router_auth.py show the counters move); their recorded
+# quantities are checked here where their series exist at zero
+NOT_PROVOKED_HERE = {"KvrouteShedding", "KvrouteClientConnectionsRefused", "KvrouteClientConnectionsEvicted",
+                     "KvrouteReplicaAuthRefused"}
+NO_SERIES_AT_ZERO = {"KvrouteReplicaAuthRefused"}  # a replica's series appears with its first refusal
 RUNBOOK = REPO / "docs" / "runbook.md"
 
 
@@ -763,7 +772,7 @@ def test_alert_rules_are_the_expected_ones():
 
 
 def test_each_alert_inner_expression_returns_data(fleet: Fleet):
-    check_inner_expressions(fleet, set(EXPECTED_ALERTS) - KV_EVENT_ALERTS - {ROUTER_DOWN_ALERT})
+    check_inner_expressions(fleet, set(EXPECTED_ALERTS) - KV_EVENT_ALERTS - {ROUTER_DOWN_ALERT} - NO_SERIES_AT_ZERO)
 
 
 def test_each_alert_fires_by_its_condition(fleet: Fleet):
@@ -793,6 +802,7 @@ def test_each_alert_fires_by_its_condition(fleet: Fleet):
         "KvrouteBreakerOpen": lambda lab: lab.get("replica") in healthy_replicas(fleet),
         "KvrouteNoHealthyReplica": lambda lab: True,  # every model has a healthy replica (until a test below)
         ROUTER_DOWN_ALERT: lambda lab: True,  # every router answers (until a test below)
+        **{name: (lambda lab: True) for name in NOT_PROVOKED_HERE},  # nothing here is overloaded
     }
     wait_for_alerts(fleet, expected, unexpected)
     # a Redis outage is a warning (requests still succeed), a model without replicas critical

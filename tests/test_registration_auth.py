@@ -1,4 +1,4 @@
-"""Signed Redis registrations (docs/design.md §7.6): the two attacks of issue 21 against a real
+"""Signed Redis registrations (docs/design.md §7.7): the two attacks of issue 21 against a real
 router, a real Redis, a replica started by `kvroute replica` with the secret, and a rogue HTTP
 server recording what it receives.
 

@@ -91,15 +91,17 @@ async def test_replica_dying_mid_stream_ends_with_error_event_and_done():
 
 
 async def test_in_flight_limit_answers_429_with_retry_after():
+    """Without a queue (max_queue_wait_s 0) the limit answers at once (tests/test_router_overload.py: with one)."""
     async with emulated_replicas(1, time_scale=1.0) as (rep,):
-        async with running_router([rep.url], max_in_flight=1, retry_after_s=3) as app:
+        async with running_router([rep.url], max_in_flight=1, retry_after_s=3, max_queue_wait_s=0) as app:
             body = {"model": MODEL, "messages": MSGS, "max_tokens": 60, "stream": True}
             async with aiohttp.ClientSession() as s:
                 async with s.post(app.url + "/v1/chat/completions", json=body) as streaming:
                     await streaming.content.readline()  # in flight now
                     async with s.post(app.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
                         assert r.status == 429 and r.headers["Retry-After"] == "3"
-                        assert (await r.json())["error"]["type"] == "rate_limit_error"
+                        error = (await r.json())["error"]
+                        assert error["type"] == "rate_limit_error" and error["code"] == "router_overloaded"
                     await streaming.read()
                 async with s.post(app.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}) as r:
                     assert r.status == 200

@@ -109,6 +109,15 @@ _shared_executor: ThreadPoolExecutor | None = None
 _shared_executor_lock = threading.Lock()
 
 
+_pool_jobs = 0  # jobs handed to a tokenizer pool and not finished, every tokenizer of the process
+
+
+def pool_backlog() -> int:
+    """Tokenizer jobs waiting for a thread (handed over, not started: beyond one per core).  The
+    router reads it as one sign of its own saturation (router/edge/overload/saturation.py)."""
+    return max(0, _pool_jobs - (os.cpu_count() or 2))
+
+
 def _default_executor() -> ThreadPoolExecutor:
     """One pool for every tokenizer of the process: tokenizing is CPU work, one thread per core."""
     global _shared_executor
@@ -437,8 +446,13 @@ class Tokenizer:
         return await self._in_pool(fn)
 
     async def _in_pool(self, fn: Any) -> Any:
+        global _pool_jobs
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor or _default_executor(), fn)
+        _pool_jobs += 1  # counted on the loop's thread, so no lock
+        try:
+            return await loop.run_in_executor(self._executor or _default_executor(), fn)
+        finally:
+            _pool_jobs -= 1
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -10,7 +10,8 @@ the logging thread (common/logs.py).
 
 Fields: request_id, method, path, model, replica, status, prompt_tokens (the engine's count, else
 the router's), cached_tokens (``usage.prompt_tokens_details.cached_tokens``, as the hit-rate
-metrics read it), completion_tokens, ttft_ms (streams), duration_ms, client (peer address),
+metrics read it), completion_tokens, ttft_ms (streams), duration_ms, client (the peer's address, or
+behind a trusted proxy the one its X-Forwarded-For names: forwarded.py),
 reason (the policy's), attempts, and error for a stream that failed after its first byte.
 Probes (/health, /ready, /metrics) are not logged.
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvroute.router.edge.forwarded import ClientAddress
 from kvroute.router.forwarding.proxy import Outcome
 from kvroute.router.request.route import Route
 
@@ -67,8 +69,9 @@ def carried(exc: BaseException) -> Exchange | None:
 
 
 class AccessLog:
-    def __init__(self, request_id: Callable[[web.Request], str]):
+    def __init__(self, request_id: Callable[[web.Request], str], client_address: ClientAddress | None = None):
         self._request_id = request_id
+        self._client_address = client_address or ClientAddress()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -110,7 +113,7 @@ class AccessLog:
         ttft = outcome.ttft_s if outcome is not None else None
         fields["ttft_ms"] = round(ttft * 1000, 2) if ttft is not None else None
         fields["duration_ms"] = round(duration_s * 1000, 2)
-        fields["client"] = request.remote
+        fields["client"] = self._client_address.of(request)
         fields["reason"] = decision.reason if decision is not None else None
         if outcome is not None:
             fields["attempts"] = outcome.attempts

@@ -1,6 +1,9 @@
-"""Who may come in, and how many at once: API keys (401), the admin token, and the in-flight limit
-(429 + Retry-After).  A request's body is read before it is admitted (``body.py``): a slow body
-holds no slot.  A request queue or per-tenant fairness would live here, in front of ``admit``.
+"""Who may come in, and how many at once: API keys (401), the admin token, and admission: a request
+runs when there is room (in flight below the limit), else waits in the admission queue, in fair
+order across tenants and priority classes, at most ``max_queue_wait_s`` before a 429 with
+Retry-After (router/edge/overload/: the queue, the fair order, the saturation that lowers the limit;
+design.md §7.6).  With ``max_queue_wait_s`` 0 there is no queue: a 429 at ``max_in_flight``.  A
+request's body is read before it is admitted (``body.py``): a slow body holds no slot.
 """
 
 from __future__ import annotations
@@ -8,12 +11,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 
 from aiohttp import web
 
 from kvroute.common.errors import ApiError
+from kvroute.common.tokens.tokenizer import pool_backlog
 
+from kvroute.router.edge.forwarded import ClientAddress
+from kvroute.router.edge.overload.queue import AdmissionQueue, overloaded
+from kvroute.router.edge.overload.saturation import Saturation
+from kvroute.router.edge.overload.tenants import PRIORITY_HEADER, Priority, body_fields, header_priority, priority_of, tenant_of
 from kvroute.router.metrics import RouterMetrics
 
 log = logging.getLogger("kvroute.router")
@@ -45,6 +54,11 @@ class Admission:
         max_in_flight: int,
         retry_after_s: int,
         metrics: RouterMetrics,
+        max_queue_wait_s: float = 0.0,
+        max_queue_length: int = 1024,
+        saturated_loop_lag_s: float = 0.0,
+        tenant_weights: Mapping[str, float] | None = None,
+        client_address: ClientAddress | None = None,
     ):
         self.client_keys = list(client_keys)
         self.admin_token = admin_token
@@ -54,6 +68,40 @@ class Admission:
         self.in_flight = 0
         self.draining = False  # /ready answers 503: not taking new work (``RouterApp.drain``)
         self._idle = asyncio.Event()
+        self.client_address = client_address or ClientAddress()
+        self.queueing = max_queue_wait_s > 0
+        self.saturation = Saturation(
+            max_in_flight=max_in_flight, max_loop_lag_s=saturated_loop_lag_s if self.queueing else 0.0,
+            in_flight=lambda: self.in_flight, queued=lambda: len(self.queue), pool_backlog=pool_backlog,
+            pool_threads=os.cpu_count() or 2, on_tick=self._on_tick, drain_window_s=max_queue_wait_s,
+        )
+        self.queue = AdmissionQueue(
+            max_wait_s=max_queue_wait_s, max_length=max_queue_length, weights=tenant_weights or {},
+            retry_after_s=retry_after_s, drain_rate=lambda: self.saturation.drain_rate, take=self._take,
+            give_back=self.release, metrics=metrics.overload,
+        )
+        self.queue.add_condition(self._below_limit)
+        metrics.overload.limit.set(max_in_flight)
+
+    def start(self) -> None:
+        """Watch the loop's lag and the tokenizer pool (with a queue: without one nothing waits for them)."""
+        if self.queueing:
+            self.saturation.start()
+
+    def stop(self) -> None:
+        self.saturation.stop()
+
+    def limit(self) -> int:
+        """Requests admitted at once: ``max_in_flight``, lowered while the router is saturated."""
+        return min(self.max_in_flight, int(self.saturation.limit)) if self.queueing else self.max_in_flight
+
+    def _below_limit(self) -> bool:
+        return self.in_flight < self.limit()
+
+    def _on_tick(self) -> None:
+        self.metrics.overload.limit.set(self.limit())
+        self.metrics.overload.loop_lag.set(self.saturation.lag_s)
+        self.queue.poke()  # the limit may have gone up
 
     def check_client(self, request: web.Request) -> str | None:
         """The client's bearer token; 401 when keys are configured and it is not one of them."""
@@ -75,23 +123,34 @@ class Admission:
                 401, "missing or invalid admin token", code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"}
             )
 
-    def admit(self) -> None:
-        """One more request in flight, or a 429 at the limit."""
-        if self.in_flight >= self.max_in_flight:
-            raise ApiError(
-                429,
-                f"the router has {self.in_flight} requests in flight, its limit; retry shortly",
-                code="too_many_requests",
-                headers={"Retry-After": str(self.retry_after_s)},
-            )
+    async def admit(self, request: web.Request | None = None, body: bytes = b"", api_key: str | None = None) -> None:
+        """One more request in flight: at once when there is room and nobody waits, else after its
+        turn in the queue; a 429 ``router_overloaded`` when its wait would pass the budget."""
+        header = header_priority(request.headers.get(PRIORITY_HEADER)) if request is not None else None
+        if not len(self.queue) and self.queue.has_room():
+            self._take()
+            self.metrics.overload.queue_wait.observe(0.0)  # the histogram counts every admitted request
+            return
+        if not self.queueing:
+            self.metrics.overload.shed("no_queue", header or Priority.NORMAL)
+            raise overloaded(f"the router has {self.in_flight} requests in flight, its limit; retry shortly",
+                             self.retry_after_s)
+        fields = body_fields(body)
+        address = self.client_address.of(request) if request is not None else None
+        await self.queue.wait(tenant_of(api_key, fields, address), priority_of(header, fields))
+
+    def _take(self) -> None:
         self.in_flight += 1
         self.metrics.in_flight.inc()
 
     def release(self) -> None:
         self.in_flight -= 1
         self.metrics.in_flight.dec()
+        self.saturation.finished += 1
         if self.in_flight == 0:
             self._idle.set()
+        if len(self.queue):
+            self.queue.poke()
 
     async def idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for no request in flight.  True if none is left."""

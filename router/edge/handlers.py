@@ -174,8 +174,8 @@ class Handlers:
         try:
             api_key = self.admission.check_client(request)
             raw = await self.bodies.read(request)  # before admission: a slow body holds no slot
-            self.admission.admit()
-        except (ApiError, web.HTTPException) as exc:  # 401, 408, 413, 429: counted, nothing to undo
+            await self.admission.admit(request, raw, api_key)  # may queue (overload/queue.py)
+        except (ApiError, web.HTTPException) as exc:  # 400, 401, 408, 413, 429: counted, nothing to undo
             self.metrics.requests.labels("unknown", "none", str(exc.status)).inc()
             raise
         try:
@@ -313,9 +313,9 @@ class Handlers:
         self, request: web.Request, order_of: Callable[[web.Request, bytes], Awaitable[tuple[str | None, list[str]]]]
     ) -> web.StreamResponse:
         """Forwarded as it came (method, path and query, body) to the replicas ``order_of`` names, in turn."""
-        self.admission.check_client(request)
+        api_key = self.admission.check_client(request)
         raw = await self.bodies.read(request)
-        self.admission.admit()
+        await self.admission.admit(request, raw, api_key)
         model: str | None = None
         replica: str | None = None
         attempts, status = 0, 0

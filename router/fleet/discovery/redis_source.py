@@ -2,7 +2,7 @@
 TTL lapses (its replica stopped heartbeating) leaves the listing.
 
 With the fleet's registration secret only signed, unexpired registrations are listed
-(``kvroute.common.registration_auth``; docs/design.md §7.6): any other entry, new or overwritten,
+(``kvroute.common.registration_auth``; docs/design.md §7.7): any other entry, new or overwritten,
 is ignored, counted at every listing (``kvroute_discovery_rejected_total{reason}``) and logged once
 per entry.  An entry that stops verifying leaves the listing, so the fleet drops its replica and
 stops sending it requests and the replica API key."""

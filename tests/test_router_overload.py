@@ -1,0 +1,293 @@
+"""The admission queue of a saturated router (router/edge/overload/): real routers on loopback in
+front of a real HTTP replica that takes a fixed time per request, the official ``openai`` client.
+
+A router with ``max_in_flight`` slots in front of a replica taking T per request serves at most
+slots / T requests a second; offered more, the rest queue (at most ``max_queue_wait_s``) or get a
+429 ``router_overloaded`` with Retry-After.  Bounds carry margins for a loaded 2-core machine: what
+is asserted is the mechanism (who waited, who was refused, in which order), not a tight figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import logging
+import time
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+from pydantic import ValidationError
+
+from kvroute.router.config import load_settings
+from kvroute.router.edge.admission import Admission
+from kvroute.router.edge.overload.fair_queue import FairQueue, Queued
+from kvroute.router.main import main
+from kvroute.router.metrics import RouterMetrics
+from tests.router_support import MODEL, ScriptedReplica, openai_client, running_router, sample, scrape
+
+MSGS = [{"role": "user", "content": "Hello there"}]
+MARGIN_S = 1.0  # scheduling on a loaded machine
+
+
+class PacedReplica(ScriptedReplica):
+    """Answers each chat after ``delay_s`` (``slow``: other delays by user message); a stream sends
+    ``chunks`` chunks ``delay_s`` apart."""
+
+    def __init__(self, delay_s: float, chunks: int = 1, slow: dict[str, float] | None = None):
+        super().__init__()
+        self.delay_s, self.chunks, self.slow = delay_s, chunks, slow or {}
+        self.order: list[str] = []  # the user message of each request, in the order served
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        content = body["messages"][-1]["content"]
+        self.order.append(content)
+        if not body.get("stream"):
+            await asyncio.sleep(self.slow.get(content, self.delay_s))
+            return web.json_response({
+                "id": "c", "object": "chat.completion", "created": 0, "model": MODEL,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            })  # fmt: skip
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(self.chunks):
+            await asyncio.sleep(self.delay_s)
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def timed_chat(client: openai.AsyncOpenAI, at: float, content: str = "Hello there", **kwargs: Any) -> dict:
+    """One chat sent at loop time ``at``: its status, time to answer and (for a 429) the error."""
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    sent = time.perf_counter()
+    try:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
+        return {"status": 200, "elapsed": time.perf_counter() - sent}
+    except openai.RateLimitError as exc:
+        return {"status": 429, "elapsed": time.perf_counter() - sent, "error": exc.body,
+                "retry_after": exc.response.headers.get("Retry-After")}
+
+
+def open_loop(client: openai.AsyncOpenAI, rate: float, duration_s: float, **kwargs: Any) -> list[asyncio.Task]:
+    start = time.perf_counter() + 0.05
+    return [asyncio.create_task(timed_chat(client, start + i / rate, **kwargs)) for i in range(int(rate * duration_s))]
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+async def test_saturated_router_serves_within_the_budget_and_refuses_with_429_never_cutting_a_stream():
+    budget = 0.5
+    async with PacedReplica(delay_s=0.1, chunks=25) as rep, \
+            running_router([rep.url], max_in_flight=3, max_queue_wait_s=budget, retry_after_s=2) as app:
+        client = openai_client(app)
+
+        async def whole_stream() -> list[str]:
+            stream = await client.chat.completions.create(model=MODEL, messages=MSGS, stream=True)
+            return [chunk.choices[0].delta.content async for chunk in stream if chunk.choices]
+
+        streaming = asyncio.create_task(whole_stream())  # ~2.5 s: admitted first, runs through the overload
+        while app.admission.in_flight < 1:
+            await asyncio.sleep(0.01)
+        # 50 requests/s for 1.5 s against 2 free slots x 10/s
+        results = await asyncio.gather(*open_loop(client, 50, 1.5))
+        tokens = await streaming
+        samples = await scrape(app.url)
+
+    assert tokens == [f"t{i} " for i in range(25)]  # the stream ran to its end, never cut
+    served = [r for r in results if r["status"] == 200]
+    refused = [r for r in results if r["status"] == 429]
+    assert len(served) + len(refused) == len(results) and served and refused, results
+    for r in refused:  # within the budget (some at once), in OpenAI's shape, with Retry-After
+        assert r["elapsed"] <= budget + MARGIN_S, r
+        assert r["error"]["code"] == "router_overloaded" and set(r["error"]) == {"message", "type", "param", "code"}
+        assert r["retry_after"] == "2"
+    assert max(r["elapsed"] for r in served) <= budget + 0.1 + MARGIN_S
+    # some were served after queueing, none after waiting past the budget
+    admitted = sample(samples, "kvroute_queue_wait_seconds_count")
+    assert admitted == len(served) + 1  # and the stream
+    assert sample(samples, "kvroute_queue_wait_seconds_bucket", le="0.001") < admitted  # some waited
+    assert sample(samples, "kvroute_queue_wait_seconds_bucket", le="0.75") == admitted
+    shed = {reason: sum(sample(samples, "kvroute_shed_requests_total", reason=reason, priority=p)
+                        for p in ("high", "normal", "low")) for reason in ("over_budget", "displaced", "timeout")}
+    assert sum(shed.values()) == len(refused), shed
+
+
+async def test_a_heavy_tenant_sheds_its_own_excess_and_leaves_the_light_ones_latency():
+    """Light at 4/s, heavy at 10x that, against 2 slots x 10/s: the heavy tenant alone overloads the
+    router.  Fair queueing puts the light tenant's requests in front of the heavy one's backlog: none
+    is shed and its p99 stays near its unloaded p99, where FIFO would queue it behind ~2 s of heavy
+    (measured with a FIFO order instead: light p99 2.1 s, some of its requests shed; fair: 0.2 s)."""
+    delay = 0.1
+    async with PacedReplica(delay_s=delay) as rep, \
+            running_router([rep.url], max_in_flight=2, max_queue_wait_s=2.0) as app:
+        light, heavy = openai_client(app, api_key="light-key"), openai_client(app, api_key="heavy-key")
+        alone = await asyncio.gather(*open_loop(light, 4, 2.0))
+        loaded_light = open_loop(light, 4, 3.0)
+        loaded_heavy = open_loop(heavy, 40, 3.0)
+        light_results = await asyncio.gather(*loaded_light)
+        heavy_results = await asyncio.gather(*loaded_heavy)
+
+    assert all(r["status"] == 200 for r in alone)
+    unloaded = p99([r["elapsed"] for r in alone])
+    light_latency = [r["elapsed"] for r in light_results if r["status"] == 200]
+    heavy_shed = sum(r["status"] == 429 for r in heavy_results)
+    print(f"light unloaded p99 {unloaded * 1000:.0f} ms; loaded p50 {sorted(light_latency)[len(light_latency) // 2] * 1000:.0f}"
+          f" p99 {p99(light_latency) * 1000:.0f} ms; heavy shed {heavy_shed}/{len(heavy_results)}")
+    assert len(light_latency) == len(light_results), light_results  # the light tenant lost nothing
+    assert heavy_shed > len(heavy_results) // 4  # the heavy one shed its excess
+    # at worst a light request waits for one of the two slots to free (<= one service time)
+    assert p99(light_latency) <= unloaded + 2 * delay + 0.5, (unloaded, light_latency)
+
+
+async def test_a_higher_class_is_served_first_when_queued():
+    async with PacedReplica(delay_s=0.05, slow={"holder": 2.0}) as rep, \
+            running_router([rep.url], max_in_flight=1, max_queue_wait_s=10) as app:
+        client = openai_client(app)
+        holder = asyncio.create_task(timed_chat(client, 0, "holder"))
+        while app.admission.in_flight < 1:
+            await asyncio.sleep(0.01)
+        queued = []
+        for content, kwargs in (
+            ("low-1", {"extra_headers": {"X-Kvroute-Priority": "low"}}),
+            ("flex", {"service_tier": "flex"}),  # OpenAI's service tiers: flex is low, priority is high
+            ("normal", {}),
+            ("high-1", {"extra_headers": {"X-Kvroute-Priority": "HIGH"}}),
+            ("priority", {"service_tier": "priority"}),
+        ):
+            queued.append(asyncio.create_task(timed_chat(client, 0, content, **kwargs)))
+            async with asyncio.timeout(5):
+                while len(app.admission.queue) < len(queued):  # each in the queue before the next is sent
+                    await asyncio.sleep(0.01)
+        assert not holder.done()  # all five queued behind it
+        results = await asyncio.gather(holder, *queued)
+        assert all(r["status"] == 200 for r in results), results
+        # within a class in arrival order (one tenant: the client's address)
+        assert rep.order == ["holder", "high-1", "priority", "normal", "low-1", "flex"]
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers={"X-Kvroute-Priority": "urgent"})
+        assert bad.value.body["code"] == "invalid_priority"
+
+
+async def _logged_client(caplog, xff: str | None, **settings: Any) -> str:
+    """The access log's client for one request with ``X-Forwarded-For: xff`` from 127.0.0.1."""
+    caplog.clear()
+    async with PacedReplica(delay_s=0) as rep, running_router([rep.url], **settings) as app:
+        headers = {"X-Forwarded-For": xff} if xff is not None else {}
+        await openai_client(app).chat.completions.create(model=MODEL, messages=MSGS, extra_headers=headers)
+        await asyncio.sleep(0.05)  # the line is written a loop turn after the answer
+    (record,) = [r for r in caplog.records if r.name == "kvroute.access"]
+    return record.client
+
+
+async def test_x_forwarded_for_is_honoured_only_from_a_trusted_proxy(caplog):
+    caplog.set_level(logging.INFO, logger="kvroute.access")
+    chain = "6.6.6.6, 10.0.0.5, 203.0.113.7"  # the client wrote 6.6.6.6; two proxies appended the rest
+    assert await _logged_client(caplog, chain) == "127.0.0.1"  # no trusted proxy: the peer
+    assert await _logged_client(caplog, chain, trusted_proxies="10.0.0.0/8") == "127.0.0.1"  # the peer is not one
+    trusted = "127.0.0.0/8"
+    assert await _logged_client(caplog, chain, trusted_proxies=trusted) == "203.0.113.7"  # rightmost untrusted
+    assert await _logged_client(caplog, chain, trusted_proxies="127.0.0.1/32,203.0.113.0/24") == "10.0.0.5"
+    assert await _logged_client(caplog, "6.6.6.6, not-an-ip", trusted_proxies=trusted) == "127.0.0.1"
+    assert await _logged_client(caplog, None, trusted_proxies=trusted) == "127.0.0.1"
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--max-queue-wait-s", "-1"),
+    ("--max-queue-length", "0"),
+    ("--saturated-loop-lag-s", "-0.1"),
+    ("--trusted-proxies", "10.0.0.300/8"),
+    ("--trusted-proxies", "10.0.0.1/8"),  # host bits set: a typo for a network
+    ("--tenant-weights", "key-0123456789=0"),
+    ("--tenant-weights", "user:alice=-2"),
+])
+def test_bad_overload_settings_are_refused(flag, value, capsys):
+    with pytest.raises(ValidationError):
+        load_settings([flag, value])
+    assert main([flag, value]) == 2  # the process says so and does not start
+
+
+def test_overload_settings_parse():
+    s = load_settings(["--max-queue-wait-s", "0.25", "--trusted-proxies", "10.0.0.0/8,::1/128",
+                       "--tenant-weights", "user:alice=3", "--tenant-weights", "key-0123456789=0.5"])
+    assert s.max_queue_wait_s == 0.25 and [str(n) for n in s.trusted_proxies] == ["10.0.0.0/8", "::1/128"]
+    assert s.tenant_weights == {"user:alice": 3.0, "key-0123456789": 0.5}
+    assert load_settings([]).max_queue_wait_s == 1.0 and load_settings([]).trusted_proxies == []
+
+
+def test_weights_share_the_queue_and_an_idle_tenant_starts_even():
+    """FairQueue alone: a tenant of weight 2 is served twice as often as one of weight 1 while both
+    have a backlog; a tenant arriving late is not owed the turns it did not ask for, nor behind."""
+    fair = FairQueue({"user:gold": 2.0})
+    for i in range(30):
+        fair.push(Queued("user:gold", 1))
+        fair.push(Queued("user:plain", 1))
+    served = [fair.pop().tenant for _ in range(30)]
+    assert served.count("user:gold") == 20 and served.count("user:plain") == 10
+    fair.push(Queued("addr:late", 1))
+    assert [fair.pop().tenant for _ in range(3)].count("addr:late") == 1  # next in line, not first of all
+    # the largest backlog for its weight sheds first: plain's 20 left (weight 1) over gold's 10 (weight 2)
+    assert fair.last() is not None and fair.last().tenant == "user:plain"
+    low = Queued("user:plain", 2)
+    fair.push(low)
+    assert fair.last() is low  # ... after the lowest class
+
+
+async def test_a_lagging_loop_lowers_the_admission_limit_then_the_queue_drains_as_it_recovers():
+    """The real Admission on this loop: a turn blocked for 0.3 s (a saturated router's long turn)
+    brings the limit under what is in flight, so a new request queues though max_in_flight has room;
+    once the lag is gone the limit climbs back and the request is admitted, nothing released."""
+    admission = Admission(client_keys=[], admin_token=None, max_in_flight=400, retry_after_s=1,
+                          metrics=RouterMetrics("cost_model"), max_queue_wait_s=5.0, saturated_loop_lag_s=0.05)
+    admission.start()
+    try:
+        for _ in range(100):
+            await admission.admit()
+        assert admission.limit() == 400
+        time.sleep(0.3)  # blocks the loop: the next tick runs 0.3 s late
+        async with asyncio.timeout(5):
+            while admission.limit() >= 100:
+                await asyncio.sleep(0.01)
+        assert admission.limit() >= 32  # never below the floor
+        late = asyncio.create_task(admission.admit())
+        await asyncio.sleep(0)
+        assert len(admission.queue) == 1 and admission.in_flight == 100  # queued, with room under max_in_flight
+        async with asyncio.timeout(5):
+            await late  # the limit climbed back over 100
+        assert admission.in_flight == 101 and admission.saturation.lag_s < 0.05
+    finally:
+        admission.stop()
+
+
+async def test_a_backed_up_tokenizer_pool_lowers_the_admission_limit():
+    """Jobs waiting for a tokenizer thread (the CPU new prompts cost) count as saturation too."""
+    from kvroute.common.tokens import Tokenizer
+    from tests.router_support import TINY_TOKENIZER
+
+    tokenizer = Tokenizer.from_dir(TINY_TOKENIZER)
+    admission = Admission(client_keys=[], admin_token=None, max_in_flight=400, retry_after_s=1,
+                          metrics=RouterMetrics("cost_model"), max_queue_wait_s=5.0, saturated_loop_lag_s=0.0)
+    admission.start()
+    try:
+        for _ in range(100):
+            await admission.admit()
+        jobs = [asyncio.create_task(tokenizer.run(lambda: time.sleep(0.05))) for _ in range(16 * (os.cpu_count() or 2))]
+        async with asyncio.timeout(5):
+            while admission.limit() >= 100:
+                await asyncio.sleep(0.01)
+        await asyncio.gather(*jobs)
+        async with asyncio.timeout(5):  # the backlog gone, the limit climbs back
+            while admission.limit() < 400:
+                await asyncio.sleep(0.01)
+    finally:
+        admission.stop()
