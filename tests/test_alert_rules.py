@@ -238,21 +238,6 @@ CASES: dict[str, dict[str, Any]] = {
                   {"severity": "warning", "model": "c"}),
         ],
     },
-    # router 1 refuses 1 request in 10 with 429 for an hour, router 2 one in 100
-    "throttled": {
-        "input_series": [
-            series("kvroute_requests_total", {**ROUTER, "model": "unknown", "replica": "none", "status": "429"}, "0+10x240"),
-            series("kvroute_requests_total", {**ROUTER, "model": "a", "replica": "vllm-0", "status": "200"}, "0+90x240"),
-            series("kvroute_requests_total", {**OTHER_ROUTER, "model": "unknown", "replica": "none", "status": "429"},
-                   "0+1x240"),
-            series("kvroute_requests_total", {**OTHER_ROUTER, "model": "a", "replica": "vllm-0", "status": "200"},
-                   "0+99x240"),
-        ],
-        "alert_rule_test": [
-            alert("KvrouteRequestsThrottled", "9m"),  # not for 10 minutes yet
-            alert("KvrouteRequestsThrottled", "30m", {"severity": "warning", **ROUTER}),
-        ],
-    },
 }
 
 

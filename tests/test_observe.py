@@ -80,18 +80,17 @@ EXPECTED_ALERTS = ("KvrouteDeliveredReuseLow", "KvrouteReplicaShareHigh", "Kvrou
                    "KvrouteKvEventGaps", "KvrouteIndexRebuilt", "KvrouteNoHealthyReplica", "KvrouteRouterTargetDown",
                    "KvrouteBreakerOpen", "KvrouteKvEventStreamDown", "KvrouteKvEventLagHigh",
                    "KvrouteDiscoveryErrors", "KvrouteRegistrationRejected", "KvrouteTtftBudgetBurn",
-                   "KvrouteRequestsThrottled", "KvrouteShedding", "KvrouteClientConnectionsRefused",
+                   "KvrouteShedding", "KvrouteClientConnectionsRefused",
                    "KvrouteClientConnectionsEvicted", "KvrouteReplicaAuthRefused")
 # the TTFT objective the live rules get (the chart's alerts.ttftObjectiveSeconds writes one so): the
 # smallest bucket bound, which the streams through a router here miss (deploy/prometheus/alerts.yml)
 TTFT_OBJECTIVE = 'le="0.005"'
 SHIPPED_TTFT_OBJECTIVE = 'le="2.5"'
 # alerts this fleet does not provoke (tests/test_alert_rules.py fires them from synthetic series):
-# shedding, the connection cap and a replica refusing the router's key need a saturated router, a
-# router at its open-file limit and a misconfigured key (tests/test_router_overload.py,
-# test_router_connections.py and test_router_auth.py show the counters move); their recorded
+# the connection cap and a replica refusing the router's key need a router at its open-file limit
+# and a misconfigured key (test_router_connections.py and test_router_auth.py show the counters move); their recorded
 # quantities are checked here where their series exist at zero
-NOT_PROVOKED_HERE = {"KvrouteShedding", "KvrouteClientConnectionsRefused", "KvrouteClientConnectionsEvicted",
+NOT_PROVOKED_HERE = {"KvrouteClientConnectionsRefused", "KvrouteClientConnectionsEvicted",
                      "KvrouteReplicaAuthRefused"}
 NO_SERIES_AT_ZERO = {"KvrouteReplicaAuthRefused"}  # a replica's series appears with its first refusal
 RUNBOOK = REPO / "docs" / "runbook.md"
@@ -561,6 +560,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         # router C fronts `solo` alone: the replica dies in one test, the router in another; it also
         # watches Kubernetes pods, through an API server that refuses connections (discovery errors)
         router_c = RouterProcess("C", [*common, "--policy", "round_robin", "--replicas", urls["solo"][0], "--max-in-flight", "1",
+                                       "--max-queue-wait-s", "0",
                                        "--fleet.k8s-selector", "app=vllm", "--fleet.discovery-timeout-s", "0.5"],
                                  workdir / "router-c.log", env={"KUBECONFIG": str(refused_kubeconfig(workdir))})
         routers.append(router_c)
@@ -1038,9 +1038,10 @@ def test_kv_event_stream_down_alert_fires_when_a_publisher_stops(fleet: Fleet):
     assert fleet.load.counts.get("quiet", 0) > served  # still served meanwhile
 
 
-def test_throttled_alert_fires_when_a_router_refuses_requests(fleet: Fleet):
-    """Router C admits one request at a time (--max-in-flight 1): six clients sending to `solo`
-    one request after another get mostly 429s; the alert fires for C, not for A or B."""
+def test_shedding_alert_fires_when_a_router_refuses_requests(fleet: Fleet):
+    """Router C admits one request at a time (--max-in-flight 1, no queue: --max-queue-wait-s 0):
+    six clients sending to `solo` one request after another get mostly 429s; the alert fires for
+    C, not for A or B."""
     a, b, c = fleet.router_a.instance, fleet.router_b.instance, fleet.router_c.instance
     stop = asyncio.Event()
 
@@ -1056,12 +1057,12 @@ def test_throttled_alert_fires_when_a_router_refuses_requests(fleet: Fleet):
 
     running = asyncio.run_coroutine_threadsafe(burst(), fleet.loop.loop)
     try:
-        wait_for_alerts(fleet, {"KvrouteRequestsThrottled": lambda lab: lab.get("instance") == c},
-                        {"KvrouteRequestsThrottled": lambda lab: lab.get("instance") in (a, b)})
+        wait_for_alerts(fleet, {"KvrouteShedding": lambda lab: lab.get("instance") == c},
+                        {"KvrouteShedding": lambda lab: lab.get("instance") in (a, b)})
     finally:
         fleet.loop.loop.call_soon_threadsafe(stop.set)
         running.result(30)
-    refused = fleet.prometheus.query(f'kvroute_requests_total{{instance="{c}",status="429"}}')
+    refused = fleet.prometheus.query(f'sum(kvroute_shed_requests_total{{instance="{c}",reason="no_queue"}})')
     assert numeric(refused) and numeric(refused)[0] > 0, refused
 
 
