@@ -1,0 +1,117 @@
+"""Late binding in the fleet simulator: hold a request at the router while every replica is past a
+room threshold, place it when one has room (issue 20 item 4; docs/experiments.md says what it
+measured).
+
+``Room`` is the rule: a replica has room when each signal given is at or under its threshold:
+vLLM's ``num_requests_waiting`` (the engine's own queue: work sent beyond what its scheduler
+admitted), the router's estimated prefill queue (its queued uncached tokens over the learned
+prefill rate, seconds) and the router's in-flight count.  ``HoldingSim`` is the simulator with
+the hold: an arrival that finds no replica with room (or others already held: arrival order) waits
+in a FIFO; at every tick the head is placed, through the same ``Placement``, as soon as a replica
+has room, or when it has waited ``hold_max_s`` (never refused, never lost).  With ``room_only``
+the policy chooses among the replicas with room only; otherwise among all, at the moment of
+release (late binding: the load and the caches then, not at arrival).  The engines are read at
+every tick (fresher than a live router's one-second scrape): the hold's best case.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .sim import FleetConfig, FleetSim, PreparedWorkload, RunResult
+
+TICK_S = 0.005  # engine seconds between room checks while requests are held (steps take 10-50 ms)
+
+
+@dataclass(frozen=True)
+class Room:
+    """When a replica has room for one more request (None: that signal is not used)."""
+
+    max_waiting: int | None = 0  # vLLM's num_requests_waiting at most this
+    max_queue_s: float | None = None  # the router's queued prefill tokens / learned rate, seconds
+    max_in_flight: int | None = None  # the router's own in-flight count
+    hold_max_s: float = 1.0  # engine seconds a request may be held before it is placed anyway
+    room_only: bool = False  # release among the replicas with room only
+
+    def has_room(self, engine: Any, load: Any) -> bool:
+        if self.max_waiting is not None and engine.num_waiting > self.max_waiting:
+            return False
+        if self.max_in_flight is not None and load.in_flight > self.max_in_flight:
+            return False
+        if self.max_queue_s is not None and load.queued_prefill_tokens / max(load.prefill_rate, 1.0) > self.max_queue_s:
+            return False
+        return True
+
+    def label(self) -> str:
+        parts = [f"w<={self.max_waiting}" if self.max_waiting is not None else "",
+                 f"q<={self.max_queue_s:g}s" if self.max_queue_s is not None else "",
+                 f"f<={self.max_in_flight}" if self.max_in_flight is not None else "",
+                 f"max {self.hold_max_s:g}s", "room-only" if self.room_only else ""]
+        return "hold(" + ", ".join(p for p in parts if p) + ")"
+
+
+@dataclass
+class HoldStats:
+    held: int = 0  # requests that waited at the router
+    waits: list[float] = field(default_factory=list)  # engine seconds each held request waited
+    expired: int = 0  # placed because their budget ran out, not because a replica had room
+
+
+class HoldingSim(FleetSim):
+    def __init__(self, prepared: PreparedWorkload, policy: Any, cfg: FleetConfig, room: Room):
+        super().__init__(prepared, policy, cfg)
+        self.room = room
+        self.held: deque[tuple[float, int]] = deque()  # (arrival, request index), arrival order
+        self.stats = HoldStats()
+
+    def _with_room(self) -> list[int]:
+        return [k for k, (name, e) in enumerate(zip(self.names, self.engines))
+                if self.room.has_room(e, self.tracker.state(name))]
+
+    def _arrive(self, i: int, arrival: float) -> None:
+        if not self.held and self._with_room():
+            self._route(i, arrival)
+            return
+        self.held.append((arrival, i))
+        self.stats.held += 1
+        self._release()
+
+    def _on_tick(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        while self.held:
+            arrival, i = self.held[0]
+            room = self._with_room()
+            overdue = self.now - arrival >= self.room.hold_max_s - 1e-9
+            if not room and not overdue:
+                return
+            self.held.popleft()
+            self.stats.waits.append(self.now - arrival)
+            if not room:
+                self.stats.expired += 1
+            self._route(i, arrival, room if (room and self.room.room_only) else None)
+
+    def _wake_at(self) -> float:
+        if not self.held:
+            return math.inf
+        return min(self.now + TICK_S, self.held[0][0] + self.room.hold_max_s)
+
+
+def simulate_held(prepared: PreparedWorkload, policy: Any, cfg: FleetConfig, room: Room | None) -> tuple[RunResult, HoldStats]:
+    """One run: with the hold (``room``) or, with None, the plain simulator."""
+    if room is None:
+        sim = FleetSim(prepared, policy, cfg)
+        return sim.simulate(), HoldStats()
+    held = HoldingSim(prepared, policy, cfg, room)
+    return held.simulate(), held.stats
+
+
+def wait_summary(stats: HoldStats) -> dict[str, float]:
+    w = np.array(stats.waits) if stats.waits else np.zeros(1)
+    return {"held": stats.held, "expired": stats.expired, "wait_mean_s": float(w.mean()), "wait_max_s": float(w.max())}
