@@ -37,6 +37,10 @@ class Room:
     max_in_flight: int | None = None  # the router's own in-flight count
     hold_max_s: float = 1.0  # engine seconds a request may be held before it is placed anyway
     room_only: bool = False  # release among the replicas with room only
+    # "fifo": hold while no replica has room, release in arrival order to the policy's pick among all;
+    # "choice": ask the policy at once, hold only if its pick has no room, ask again at every tick
+    # (arrival order) and send when the pick has room: each request waits for its own best replica
+    release: str = "fifo"
 
     def has_room(self, engine: Any, load: Any) -> bool:
         if self.max_waiting is not None and engine.num_waiting > self.max_waiting:
@@ -51,7 +55,8 @@ class Room:
         parts = [f"w<={self.max_waiting}" if self.max_waiting is not None else "",
                  f"q<={self.max_queue_s:g}s" if self.max_queue_s is not None else "",
                  f"f<={self.max_in_flight}" if self.max_in_flight is not None else "",
-                 f"max {self.hold_max_s:g}s", "room-only" if self.room_only else ""]
+                 f"max {self.hold_max_s:g}s", "room-only" if self.room_only else "",
+                 "by choice" if self.release == "choice" else ""]
         return "hold(" + ", ".join(p for p in parts if p) + ")"
 
 
@@ -74,7 +79,12 @@ class HoldingSim(FleetSim):
                 if self.room.has_room(e, self.tracker.state(name))]
 
     def _arrive(self, i: int, arrival: float) -> None:
-        if not self.held and self._with_room():
+        if self.room.release == "choice":
+            query, choice = self._decide(i)
+            if self._room_at(choice.replica):
+                self._send(i, arrival, query, choice)
+                return
+        elif not self.held and self._with_room():
             self._route(i, arrival)
             return
         self.held.append((arrival, i))
@@ -84,7 +94,14 @@ class HoldingSim(FleetSim):
     def _on_tick(self) -> None:
         self._release()
 
+    def _room_at(self, name: str) -> bool:
+        k = self._replica_pos[name]
+        return self.room.has_room(self.engines[k], self.tracker.state(name))
+
     def _release(self) -> None:
+        if self.room.release == "choice":
+            self._release_by_choice()
+            return
         while self.held:
             arrival, i = self.held[0]
             room = self._with_room()
@@ -96,6 +113,19 @@ class HoldingSim(FleetSim):
             if not room:
                 self.stats.expired += 1
             self._route(i, arrival, room if (room and self.room.room_only) else None)
+
+    def _release_by_choice(self) -> None:
+        still: deque[tuple[float, int]] = deque()
+        for arrival, i in self.held:
+            query, choice = self._decide(i)
+            fits = self._room_at(choice.replica)
+            if fits or self.now - arrival >= self.room.hold_max_s - 1e-9:
+                self.stats.waits.append(self.now - arrival)
+                self.stats.expired += not fits
+                self._send(i, arrival, query, choice)
+            else:
+                still.append((arrival, i))
+        self.held = still
 
     def _wake_at(self) -> float:
         if not self.held:

@@ -30,6 +30,10 @@ RULES: dict[str, Room | None] = {
     "waiting0-room": Room(max_waiting=0, room_only=True),
     "queue0.25": Room(max_waiting=None, max_queue_s=0.25),
     "queue0.25-room": Room(max_waiting=None, max_queue_s=0.25, room_only=True),
+    "waiting0-choice": Room(max_waiting=0, release="choice"),
+    "queue0.25-choice": Room(max_waiting=None, max_queue_s=0.25, release="choice"),
+    "queue0.5-choice": Room(max_waiting=None, max_queue_s=0.5, release="choice"),
+    "queue0.5": Room(max_waiting=None, max_queue_s=0.5),
     "queue1": Room(max_waiting=None, max_queue_s=1.0),
     "waiting2": Room(max_waiting=2),
 }
@@ -45,6 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--policy", default="cost_model")
     p.add_argument("--hold-max-s", type=float, default=None, help="every rule's hold budget, engine seconds (default the rule's: 1)")
     p.add_argument("--requests-scale", type=float, default=1.0)
+    p.add_argument("--load", type=float, default=None, help="every workload at this share of the fleet's capacity (default: each its own)")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     args.workloads = args.workloads.split(",")
@@ -62,7 +67,8 @@ def run_workload(name: str, seed: int, args: argparse.Namespace, out: Path) -> d
     from kvroute.router.placement.policy import make_policy
 
     args.seed = seed
-    prep = prepare_workload(WORKLOADS[name], args, out, args.profile)
+    spec = WORKLOADS[name] if args.load is None else replace(WORKLOADS[name], load=args.load)
+    prep = prepare_workload(spec, args, out, args.profile)
     runs, stats = {}, {}
     for rule in args.rules:
         room = RULES[rule]
@@ -102,9 +108,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {rule:<16} reuse {r['reuse']:.1%}  p50/p90/p99 {r['ttft_p50_s']:.2f}/{r['ttft_p90_s']:.2f}/"
                       f"{r['ttft_p99_s']:.2f}x  held {r['held']} (expired {r['expired']}, mean {r['wait_mean_s'] * 1000:.0f} ms, "
                       f"max {r['wait_max_s'] * 1000:.0f} ms){slow}", flush=True)
+    print_summary(doc)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
+
+
+def print_summary(doc: dict[str, Any]) -> None:
+    """Per workload and rule, against ``off`` seed by seed: reuse in points, TTFT percentiles as
+    ratios (median over seeds, then the range), and how many seeds held anything."""
+    print("\n## against off, per seed: reuse pts median [min, max]; p50 / p90 / p99 ratio median [min, max]")
+    for name, seeds in doc.items():
+        rules = [r for r in next(iter(seeds.values())) if r != "off"]
+        for rule in rules:
+            d_reuse = [100 * (s[rule]["reuse"] - s["off"]["reuse"]) for s in seeds.values()]
+            ratios = {k: [s[rule][k] / s["off"][k] for s in seeds.values()] for k in TTFT_KEYS}
+            held = sum(1 for s in seeds.values() if s[rule]["held"])
+            cells = [f"{np.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]" for v in ratios.values()]
+            print(f"  {name:<16} {rule:<16} held in {held}/{len(seeds)} seeds  reuse {np.median(d_reuse):+.1f} "
+                  f"[{min(d_reuse):+.1f}, {max(d_reuse):+.1f}]  " + "  ".join(cells))
 
 
 if __name__ == "__main__":

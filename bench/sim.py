@@ -336,10 +336,14 @@ class FleetSim:
 
     def _route(self, i: int, arrival: float, eligible: list[int] | None = None) -> None:
         """Place request ``i`` (arrived at ``arrival``) now, among ``eligible`` replicas (default all)."""
+        self._send(i, arrival, *self._decide(i, eligible))
+
+    def _decide(self, i: int, eligible: list[int] | None = None) -> tuple[Query, Any]:
+        """lookup -> choose for request ``i`` now (the router's own steps, router/placement/sequence.py,
+        on the memory index with virtual time); nothing committed yet."""
         req = self.requests[i]
-        chain = self.prepared.chains[i].tolist()
         query = Query(
-            chain=chain,
+            chain=self.prepared.chains[i].tolist(),
             prompt_tokens=int(self.prepared.prompt_tokens[i]),
             block_size=self.block_size,
             session_key=req.session_key,
@@ -348,8 +352,13 @@ class FleetSim:
         )
         replicas = [snapshot(self.names[k], self.tracker, self.engines[k].num_running)
                     for k in (range(len(self.names)) if eligible is None else eligible)]
-        # the router's own sequence (router/placement/sequence.py), on the memory index with virtual time
-        query, choice = drive(self.placement.place(query, replicas, req.request_id))
+        query = drive(self.placement.lookup(query))
+        return query, self.placement.choose(query, replicas)
+
+    def _send(self, i: int, arrival: float, query: Query, choice: Any) -> None:
+        """commit -> the engine: request ``i`` goes to ``choice.replica`` now."""
+        req = self.requests[i]
+        self.placement.commit(query, choice, req.request_id)
         pos = self._replica_pos[choice.replica]
         run = self.run
         run.arrival[i] = arrival
@@ -359,7 +368,7 @@ class FleetSim:
         run.reasons[choice.reason] = run.reasons.get(choice.reason, 0) + 1
         self._order.append(i)
         self._sent_at[i] = self.now
-        self.engines[pos].submit(self._EngineRequest(req.request_id, chain, query.prompt_tokens, req.max_tokens), self.now)
+        self.engines[pos].submit(self._EngineRequest(req.request_id, list(query.chain), query.prompt_tokens, req.max_tokens), self.now)
 
     def _apply_kv_events(self) -> None:
         for name, ev in self._kv:
