@@ -42,8 +42,13 @@ class Room:
     # (arrival order) and send when the pick has room: each request waits for its own best replica
     release: str = "fifo"
 
-    def has_room(self, engine: Any, load: Any) -> bool:
-        if self.max_waiting is not None and engine.num_waiting > self.max_waiting:
+    max_queued_tokens: int | None = None  # the router's queued uncached prompt tokens (first token not back)
+    scrape_s: float = 0.0  # the engines' waiting count as of the last scrape this often (0: read fresh)
+
+    def has_room(self, waiting: int, load: Any) -> bool:
+        if self.max_waiting is not None and waiting > self.max_waiting:
+            return False
+        if self.max_queued_tokens is not None and load.queued_prefill_tokens > self.max_queued_tokens:
             return False
         if self.max_in_flight is not None and load.in_flight > self.max_in_flight:
             return False
@@ -52,7 +57,9 @@ class Room:
         return True
 
     def label(self) -> str:
-        parts = [f"w<={self.max_waiting}" if self.max_waiting is not None else "",
+        parts = [f"tokens<={self.max_queued_tokens}" if self.max_queued_tokens is not None else "",
+                 f"scrape {self.scrape_s:g}s" if self.scrape_s else "",
+                 f"w<={self.max_waiting}" if self.max_waiting is not None else "",
                  f"q<={self.max_queue_s:g}s" if self.max_queue_s is not None else "",
                  f"f<={self.max_in_flight}" if self.max_in_flight is not None else "",
                  f"max {self.hold_max_s:g}s", "room-only" if self.room_only else "",
@@ -73,15 +80,27 @@ class HoldingSim(FleetSim):
         self.room = room
         self.held: deque[tuple[float, int]] = deque()  # (arrival, request index), arrival order
         self.stats = HoldStats()
+        self._scraped: list[int] = [0] * len(self.engines)
+        self._scraped_at = -math.inf
+        self._waited_for: set[str] = set()  # replicas that held requests wait for (release by choice)
+
+    def _waiting(self, k: int) -> int:
+        """Replica ``k``'s waiting count as the router knows it: fresh, or as of the last scrape."""
+        if not self.room.scrape_s:
+            return self.engines[k].num_waiting
+        if self.now >= self._scraped_at + self.room.scrape_s:
+            self._scraped = [e.num_waiting for e in self.engines]
+            self._scraped_at = self.now - (self.now % self.room.scrape_s)
+        return self._scraped[k]
 
     def _with_room(self) -> list[int]:
-        return [k for k, (name, e) in enumerate(zip(self.names, self.engines))
-                if self.room.has_room(e, self.tracker.state(name))]
+        return [k for k, name in enumerate(self.names) if self.room.has_room(self._waiting(k), self.tracker.state(name))]
 
     def _arrive(self, i: int, arrival: float) -> None:
         if self.room.release == "choice":
+            self._release()  # those held for a replica go first
             query, choice = self._decide(i)
-            if self._room_at(choice.replica):
+            if self._room_at(choice.replica) and choice.replica not in self._waited_for:
                 self._send(i, arrival, query, choice)
                 return
         elif not self.held and self._with_room():
@@ -95,8 +114,7 @@ class HoldingSim(FleetSim):
         self._release()
 
     def _room_at(self, name: str) -> bool:
-        k = self._replica_pos[name]
-        return self.room.has_room(self.engines[k], self.tracker.state(name))
+        return self.room.has_room(self._waiting(self._replica_pos[name]), self.tracker.state(name))
 
     def _release(self) -> None:
         if self.room.release == "choice":
@@ -115,15 +133,19 @@ class HoldingSim(FleetSim):
             self._route(i, arrival, room if (room and self.room.room_only) else None)
 
     def _release_by_choice(self) -> None:
+        """Every held request asks the policy again, in arrival order; one whose pick has room (and
+        no earlier request still waits for that replica) is sent: per replica, arrival order."""
         still: deque[tuple[float, int]] = deque()
+        self._waited_for = set()
         for arrival, i in self.held:
             query, choice = self._decide(i)
-            fits = self._room_at(choice.replica)
+            fits = self._room_at(choice.replica) and choice.replica not in self._waited_for
             if fits or self.now - arrival >= self.room.hold_max_s - 1e-9:
                 self.stats.waits.append(self.now - arrival)
                 self.stats.expired += not fits
                 self._send(i, arrival, query, choice)
             else:
+                self._waited_for.add(choice.replica)
                 still.append((arrival, i))
         self.held = still
 

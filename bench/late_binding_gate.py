@@ -34,6 +34,12 @@ RULES: dict[str, Room | None] = {
     "queue0.25-choice": Room(max_waiting=None, max_queue_s=0.25, release="choice"),
     "queue0.5-choice": Room(max_waiting=None, max_queue_s=0.5, release="choice"),
     "queue0.5": Room(max_waiting=None, max_queue_s=0.5),
+    # what a live router knows: the engines' waiting count scraped every 0.64 engine seconds (1 s
+    # wall at the gate's time scale ~1.56), or its own queued prefill tokens against one step's budget
+    "waiting0-scraped-choice": Room(max_waiting=0, scrape_s=0.64, release="choice"),
+    "tokens8k-choice": Room(max_waiting=None, max_queued_tokens=8192, release="choice"),
+    "tokens16k-choice": Room(max_waiting=None, max_queued_tokens=16384, release="choice"),
+    "tokens8k": Room(max_waiting=None, max_queued_tokens=8192),
     "queue1": Room(max_waiting=None, max_queue_s=1.0),
     "waiting2": Room(max_waiting=2),
 }
