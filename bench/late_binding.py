@@ -38,8 +38,9 @@ class Room:
     hold_max_s: float = 1.0  # engine seconds a request may be held before it is placed anyway
     room_only: bool = False  # release among the replicas with room only
     # "fifo": hold while no replica has room, release in arrival order to the policy's pick among all;
-    # "choice": ask the policy at once, hold only if its pick has no room, ask again at every tick
-    # (arrival order) and send when the pick has room: each request waits for its own best replica
+    # "choice": ask the policy at once, hold only if its pick has no room; when the pick has room
+    # (per replica in arrival order) or the budget is spent, ask again and send: each request
+    # waits for its own best replica, and is placed by the state at that moment
     release: str = "fifo"
 
     max_queued_tokens: int | None = None  # the router's queued uncached prompt tokens (first token not back)
@@ -82,6 +83,7 @@ class HoldingSim(FleetSim):
         self.stats = HoldStats()
         self._scraped: list[int] = [0] * len(self.engines)
         self._scraped_at = -math.inf
+        self._pick: dict[int, str] = {}  # held request -> the replica the policy picked at arrival
         self._waited_for: set[str] = set()  # replicas that held requests wait for (release by choice)
 
     def _waiting(self, k: int) -> int:
@@ -103,6 +105,7 @@ class HoldingSim(FleetSim):
             if self._room_at(choice.replica) and choice.replica not in self._waited_for:
                 self._send(i, arrival, query, choice)
                 return
+            self._pick[i] = choice.replica
         elif not self.held and self._with_room():
             self._route(i, arrival)
             return
@@ -133,19 +136,22 @@ class HoldingSim(FleetSim):
             self._route(i, arrival, room if (room and self.room.room_only) else None)
 
     def _release_by_choice(self) -> None:
-        """Every held request asks the policy again, in arrival order; one whose pick has room (and
-        no earlier request still waits for that replica) is sent: per replica, arrival order."""
+        """In arrival order, a held request whose pick has room (no earlier one still waiting for
+        it) is decided again, now, and sent where that decision says; one past its budget too.
+        The policy is asked twice per held request, never at every tick: ``choose`` keeps
+        counters (cost_model's decision count, its starvation window) that polling would skew."""
         still: deque[tuple[float, int]] = deque()
         self._waited_for = set()
         for arrival, i in self.held:
-            query, choice = self._decide(i)
-            fits = self._room_at(choice.replica) and choice.replica not in self._waited_for
+            pick = self._pick[i]
+            fits = self._room_at(pick) and pick not in self._waited_for
             if fits or self.now - arrival >= self.room.hold_max_s - 1e-9:
                 self.stats.waits.append(self.now - arrival)
                 self.stats.expired += not fits
-                self._send(i, arrival, query, choice)
+                del self._pick[i]
+                self._route(i, arrival)
             else:
-                self._waited_for.add(choice.replica)
+                self._waited_for.add(pick)
                 still.append((arrival, i))
         self.held = still
 
