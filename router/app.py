@@ -49,11 +49,11 @@ from kvroute.router.index.base import PrefixIndex
 from kvroute.router.index.client import IndexClient
 from kvroute.router.index.memory import MemoryIndex
 from kvroute.router.metrics import RouterMetrics
+from kvroute.router.placement.hold import Holds
 from kvroute.router.placement.load import LoadTracker
 from kvroute.router.placement.policy import make_policy
-from kvroute.router.placement.sequence import Placement
-from kvroute.router.placement.hold import Holds
 from kvroute.router.placement.room import RoomRule
+from kvroute.router.placement.sequence import Placement
 from kvroute.router.request.accounting import Accounting
 from kvroute.router.request.prompt import PromptBuilder
 from kvroute.router.request.response_memory import ResponseMemory

@@ -34,8 +34,8 @@ from kvroute.router.fleet.catalogue import adapter_of, max_model_len
 from kvroute.router.fleet.membership import Fleet
 from kvroute.router.fleet.replica import Replica
 from kvroute.router.metrics import RouterMetrics
-from kvroute.router.placement.policy.base import Choice, Query, ReplicaState
 from kvroute.router.placement.hold import Holds
+from kvroute.router.placement.policy.base import Choice, Query, ReplicaState
 from kvroute.router.placement.sequence import Placement
 from kvroute.router.request.chain_memo import ChainMemo
 from kvroute.router.request.prompt import Prompt, PromptBuilder, prompt_too_long
