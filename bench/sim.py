@@ -301,6 +301,7 @@ class FleetSim:
             full_blocks=np.fromiter((len(c) for c in prepared.chains), dtype=np.int64, count=n),
             prompt_tokens=prepared.prompt_tokens.copy(),
         )
+        self._sent_at = np.full(n, np.nan)  # when the router sent each request (the arrival, unless held)
         self._dependents: dict[int, list[int]] = {}
         self._arrivals: list[tuple[float, int]] = []
         # A prompt (plus its output) larger than a replica's whole KV cache would be refused by
@@ -321,20 +322,43 @@ class FleetSim:
         self._end = math.inf if end is None else end
 
     # -- router side ------------------------------------------------------------------------
-    def _route(self, i: int, arrival: float) -> None:
+    # Hooks for a router that does not place every request on arrival (bench/late_binding.py):
+    # ``_arrive`` takes an arrival, ``_on_tick`` runs at every step of the clock, after the
+    # engines' updates, and ``_wake_at`` is the next time the loop must stop for it.
+    def _arrive(self, i: int, arrival: float) -> None:
+        self._route(i, arrival)
+
+    def _on_tick(self) -> None:
+        pass
+
+    def _wake_at(self) -> float:
+        return math.inf
+
+    def _route(self, i: int, arrival: float, eligible: list[int] | None = None) -> None:
+        """Place request ``i`` (arrived at ``arrival``) now, among ``eligible`` replicas (default all)."""
+        self._send(i, arrival, *self._decide(i, eligible))
+
+    def _decide(self, i: int, eligible: list[int] | None = None) -> tuple[Query, Any]:
+        """lookup -> choose for request ``i`` now (the router's own steps, router/placement/sequence.py,
+        on the memory index with virtual time); nothing committed yet."""
         req = self.requests[i]
-        chain = self.prepared.chains[i].tolist()
         query = Query(
-            chain=chain,
+            chain=self.prepared.chains[i].tolist(),
             prompt_tokens=int(self.prepared.prompt_tokens[i]),
             block_size=self.block_size,
             session_key=req.session_key,
             text=text_proxy(req.tokens()) if self.policy.needs_text else "",
             now=self.now,
         )
-        replicas = [snapshot(name, self.tracker, e.num_running) for name, e in zip(self.names, self.engines)]
-        # the router's own sequence (router/placement/sequence.py), on the memory index with virtual time
-        query, choice = drive(self.placement.place(query, replicas, req.request_id))
+        replicas = [snapshot(self.names[k], self.tracker, self.engines[k].num_running)
+                    for k in (range(len(self.names)) if eligible is None else eligible)]
+        query = drive(self.placement.lookup(query))
+        return query, self.placement.choose(query, replicas)
+
+    def _send(self, i: int, arrival: float, query: Query, choice: Any) -> None:
+        """commit -> the engine: request ``i`` goes to ``choice.replica`` now."""
+        req = self.requests[i]
+        self.placement.commit(query, choice, req.request_id)
         pos = self._replica_pos[choice.replica]
         run = self.run
         run.arrival[i] = arrival
@@ -343,7 +367,8 @@ class FleetSim:
         run.index_blocks[i] = query.matches.get(choice.replica, 0)
         run.reasons[choice.reason] = run.reasons.get(choice.reason, 0) + 1
         self._order.append(i)
-        self.engines[pos].submit(self._EngineRequest(req.request_id, chain, query.prompt_tokens, req.max_tokens), self.now)
+        self._sent_at[i] = self.now
+        self.engines[pos].submit(self._EngineRequest(req.request_id, list(query.chain), query.prompt_tokens, req.max_tokens), self.now)
 
     def _apply_kv_events(self) -> None:
         for name, ev in self._kv:
@@ -364,7 +389,8 @@ class FleetSim:
             run.first_token[i] = u.time
             run.cached_tokens[i] = u.cached_tokens
             # the router's own steps after the answer (router/placement/sequence.py), as the router calls them
-            self.placement.first_token(u.request_id, u.time - run.arrival[i], u.time)
+            # the router times the replica from when it sent the request (a held one waited before)
+            self.placement.first_token(u.request_id, u.time - self._sent_at[i], u.time)
             return 0
         if u.kind in ("finished", "aborted"):
             run.finish[i] = u.time
@@ -385,6 +411,7 @@ class FleetSim:
         while True:
             t_next = arrivals[0][0] if arrivals else math.inf
             busy = [e for e in engines if e.next_step_time() is not None]
+            t_next = min(t_next, self._wake_at())
             if not busy:
                 if t_next == math.inf:
                     break
@@ -408,9 +435,10 @@ class FleetSim:
             if horizon == math.inf:
                 continue
             self.now = max(self.now, horizon)
+            self._on_tick()
             while arrivals and arrivals[0][0] <= self.now:
                 t, i = heapq.heappop(arrivals)
-                self._route(i, t)
+                self._arrive(i, t)
         run = self.run
         run.available[self._order] = available_blocks([self.prepared.chains[i].tolist() for i in self._order])
         run.limit_ttft = np.full(len(self.requests), np.nan)

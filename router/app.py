@@ -55,8 +55,10 @@ from kvroute.router.index.base import PrefixIndex
 from kvroute.router.index.client import IndexClient
 from kvroute.router.index.memory import MemoryIndex
 from kvroute.router.metrics import RouterMetrics
+from kvroute.router.placement.hold import Holds
 from kvroute.router.placement.load import LoadTracker
 from kvroute.router.placement.policy import make_policy
+from kvroute.router.placement.room import RoomRule
 from kvroute.router.placement.sequence import Placement
 from kvroute.router.request.accounting import Accounting
 from kvroute.router.request.prompt import PromptBuilder
@@ -136,8 +138,13 @@ class RouterApp:
         )
         # the index client bounds the lookup by index_timeout_s and writes predictions behind the answer
         self.placement = Placement(self.policy, self.index_client, self.load)
+        self.holds = None  # late binding (docs/design.md §5.9), off unless --hold-max-s
+        if s.hold_max_s > 0:
+            self.holds = Holds(self.load, RoomRule(s.hold_queued_tokens), s.hold_max_s, on_wait=self.metrics.held)
+            self.placement.on_freed = self.holds.notify
         prompts = PromptBuilder(self.tokenizers, want_text=self.policy.needs_text)
-        self.router = Router(s, fleet=self.fleet, placement=self.placement, prompts=prompts, metrics=self.metrics)
+        self.router = Router(s, fleet=self.fleet, placement=self.placement, prompts=prompts, metrics=self.metrics,
+                             holds=self.holds)
         self.accounting = Accounting(self.placement, self.reuse, self.metrics)
         self.proxy = Proxy(self.upstream, self.timeouts, upstream_headers=self.fleet.upstream_headers())
         self.admission = Admission(

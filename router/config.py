@@ -150,6 +150,16 @@ class RouterSettings(BaseSettings):
         default_factory=dict, description="a model's tokenizer (directory or Hugging Face id); repeat the flag per model",
         json_schema_extra=_hint("MODEL=DIR|HF_ID"),
     )
+    hold_max_s: float = Field(
+        0.0, ge=0, description="late binding: a request whose chosen replica has no room waits at the router (in "
+        "arrival order) at most this long, then is placed again with the load and caches of that moment; 0: off "
+        "(docs/design.md §5.9)", json_schema_extra=_hint("SECONDS"),
+    )
+    hold_queued_tokens: int = Field(
+        8192, gt=0, description="late binding: a replica has room while the uncached prompt tokens this router sent "
+        "it, first token not back, are at most this (vLLM's max_num_batched_tokens: one scheduler step)",
+        json_schema_extra=_hint("TOKENS"),
+    )
     redis_url: str | None = Field(None, description="Redis URL: shared prefix index (and fleet discovery)")
     redis_key_prefix: str = Field(
         "kvroute", description="prefix of every Redis key the index writes", json_schema_extra=_hint("PREFIX")

@@ -27,6 +27,7 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 # microseconds to tens of milliseconds: the router's own share of a request
 _ADDED_LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
+_HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 UPSTREAM_STAGES = ("connect", "first_byte", "mid_stream", "auth")
 
@@ -264,6 +265,13 @@ class RouterMetrics:
         self.sre = SreMetrics(r)  # end to end, inter-token latency, output tokens per model
         register_process_metrics(r)  # process_*: this process, or the supervisor and its workers
         self.overload = OverloadMetrics(r)  # the admission queue (router/edge/overload/)
+        # late binding (placement/hold.py): requests held at the router for a replica with room
+        self.held_now = Gauge("kvroute_held_requests", "requests held at the router until their replica has room",
+                              multiprocess_mode="livesum", registry=r)
+        self.hold_wait = Histogram(
+            "kvroute_hold_wait_seconds", "time a request was held at the router, by how the hold ended (room: the "
+            "replica had room; budget: --hold-max-s was spent)", ["ended"], buckets=_HOLD_BUCKETS, registry=r,
+        )
         # series known from the start
         for reason in reasons:
             self.decisions.labels(policy, reason)
@@ -277,6 +285,10 @@ class RouterMetrics:
         # -- replica labels: the name discovery gives (fleet/discovery/labels.py), not the URL ----
         self.replica_label: Callable[[str], str] = str  # replica name (URL) -> label; the app binds the fleet's
         self._labels_used: dict[str, str] = {}  # name -> the label its series were created with
+
+    def held(self, seconds: float, roomy: bool) -> None:
+        """A request's hold ended after ``seconds``: its replica had room (``roomy``), or the budget was spent."""
+        self.hold_wait.labels("room" if roomy else "budget").observe(seconds)
 
     def bind_replicas(self, source: Callable[[], Iterable[ReplicaRow]]) -> None:
         """``source`` yields (label, healthy, breaker state, in flight, queued tokens, prefill rate)."""

@@ -85,12 +85,14 @@ class LoadTracker:
             st.rate_sampled_at = now
         return p.replica, p.uncached
 
-    def on_finished(self, request_id: str) -> None:
-        """The request ended (success, failure or abort): release everything it held."""
+    def on_finished(self, request_id: str) -> str | None:
+        """The request ended (success, failure or abort): release everything it held.  Returns
+        its replica, or None if unknown."""
         p = self._pending.pop(request_id, None)
         if p is None:
-            return
+            return None
         st = self.state(p.replica)
         st.in_flight = max(0, st.in_flight - 1)
         if not p.first_token_seen:
             st.queued_prefill_tokens = max(0, st.queued_prefill_tokens - p.uncached)
+        return p.replica

@@ -13,7 +13,7 @@ between ``choose`` and ``commit`` itself (``Router.route``), nothing here reache
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Protocol
@@ -54,6 +54,8 @@ class Placement:
         self.policy = policy
         self.index = index
         self.load = load
+        # told the replica whose queued work just dropped (late binding's holds, placement/hold.py)
+        self.on_freed: Callable[[str], None] | None = None
 
     def snapshot(self, name: str, running: int) -> ReplicaState:
         """``name`` as the policy sees it for one decision (``running``: the engine's own count)."""
@@ -97,7 +99,11 @@ class Placement:
         if seen is not None:
             replica, uncached = seen
             self.policy.on_first_token(replica, uncached, ttft_s)
+            if self.on_freed is not None:
+                self.on_freed(replica)
 
     def finished(self, load_key: str) -> None:
         """The request ended (answered, failed, abandoned, or failed over): release its load."""
-        self.load.on_finished(load_key)
+        replica = self.load.on_finished(load_key)
+        if replica is not None and self.on_freed is not None:
+            self.on_freed(replica)

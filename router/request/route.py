@@ -34,6 +34,7 @@ from kvroute.router.fleet.catalogue import adapter_of, max_model_len
 from kvroute.router.fleet.membership import Fleet
 from kvroute.router.fleet.replica import Replica
 from kvroute.router.metrics import RouterMetrics
+from kvroute.router.placement.hold import Holds
 from kvroute.router.placement.policy.base import Choice, Query, ReplicaState
 from kvroute.router.placement.sequence import Placement
 from kvroute.router.request.chain_memo import ChainMemo
@@ -92,12 +93,14 @@ class Router:
         placement: Placement,
         prompts: PromptBuilder,
         metrics: RouterMetrics,
+        holds: Holds | None = None,
     ):
         self.settings = settings
         self.fleet = fleet
         self.placement = placement
         self.prompts = prompts
         self.metrics = metrics
+        self.holds = holds  # late binding (placement/hold.py), None: off
         self._ids = itertools.count()
         self.chains = ChainMemo()
         self._salt_key = (
@@ -154,7 +157,10 @@ class Router:
         )
         load_key = f"{request_id}#{next(self._ids)}"  # client ids may repeat; load keys must not
         query = await self.placement.lookup(query)
-        replica, choice = self._place(query, replicas, load_key, chains)
+        if self.holds is None:
+            replica, choice = self._place(query, replicas, load_key, chains)
+        else:
+            query, replica, choice = await self._place_late(model, query, replicas, load_key, chains, pin)
         self.metrics.decision(choice.reason)
         return Route(
             request_id=request_id,
@@ -226,16 +232,39 @@ class Router:
             tried=tried,
         )
 
+    async def _place_late(
+        self, model: str, query: Query, replicas: Sequence[Replica], load_key: str, chains: Sequence[Sequence[int]], pin: str | None
+    ) -> tuple[Query, Replica, Choice]:
+        """Late binding (docs/design.md §5.9): the policy's pick, unless it has no room; then the
+        request waits in that replica's line (``Holds``) until it has room or the budget is spent,
+        and is placed again with the fleet, the index's matches and the load of that moment."""
+        assert self.holds is not None
+        first = self.placement.choose(query, self._snapshot(replicas))
+        if not self.holds.must_wait(first.replica):
+            return (query, *self._place(query, replicas, load_key, chains, first=first))
+        self.metrics.held_now.inc()
+        try:
+            async with self.holds.turn(first.replica):
+                now = self.fleet.eligible(model) or list(replicas)  # the fleet of this moment
+                if pin is not None:
+                    now = [r for r in now if r.name == pin] or now
+                query = await self.placement.lookup(replace(query, now=time.monotonic()))
+                return (query, *self._place(query, now, load_key, chains))
+        finally:
+            self.metrics.held_now.dec()
+
     def _place(
-        self, query: Query, replicas: Sequence[Replica], load_key: str, chains: Sequence[Sequence[int]]
+        self, query: Query, replicas: Sequence[Replica], load_key: str, chains: Sequence[Sequence[int]],
+        first: Choice | None = None,
     ) -> tuple[Replica, Choice]:
-        """choose -> claim -> commit: the policy's pick, whose half-open trial (if it is one) this
-        request takes; a replica whose trial another request took since the snapshot is passed
-        over while others remain."""
+        """choose -> claim -> commit: the policy's pick (``first`` if already asked), whose
+        half-open trial (if it is one) this request takes; a replica whose trial another request
+        took since the snapshot is passed over while others remain."""
         by_name = {r.name: r for r in replicas}
         states = self._snapshot(replicas)
         while True:
-            choice = self.placement.choose(query, states)
+            choice = first or self.placement.choose(query, states)
+            first = None
             if self.fleet.claim(choice.replica) or len(states) <= 1:
                 break
             states = [s for s in states if s.name != choice.replica]
