@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -315,15 +316,27 @@ def test_dockerfile_sources_and_commands_exist(name):
 def test_the_router_image_installs_the_lock_and_nothing_it_resolves_itself():
     """deploy/requirements.lock (exact versions and hashes, `make lock`) is what the router image
     installs, without resolving anything; kvroute follows without dependencies; `pip check`
-    fails the build when the lock lacks one.  (The lock against pyproject.toml:
-    tests/test_packaging.py.)"""
+    fails the build when the lock lacks one, and an import of what --tracing loads (the chart's
+    router.tracing) fails it when the image could not trace.  (The lock against pyproject.toml and
+    its extras: tests/test_packaging.py.)"""
+    import shlex
+
     text = (DEPLOY / "Dockerfile.router").read_text()
     runs = [" ".join(line.split()) for line in text.replace("\\\n", " ").splitlines() if line.startswith("RUN ")]
     installs = [r for r in runs if "pip install" in r]
     assert installs[0].endswith("pip install --no-cache-dir --no-deps --require-hashes -r /tmp/requirements.lock")
     assert "COPY deploy/requirements.lock /tmp/requirements.lock" in text
-    assert installs[1] == "RUN pip install --no-cache-dir --no-deps . && pip check"
+    install, check, traces = installs[1].removeprefix("RUN ").split(" && ")
+    assert (install, check) == ("pip install --no-cache-dir --no-deps .", "pip check")
     assert len(installs) == 2 and "pip wheel" not in text
+    # the import the build runs: the router's OpenTelemetry module and both OTLP exporters
+    # (router/otel.py's exporter_from_env picks one by protocol), which exist and import here
+    argv = shlex.split(traces)
+    assert argv[:2] == ["python", "-c"]
+    modules = {m.strip() for m in argv[2].removeprefix("import ").split(",")}
+    assert modules == {"kvroute.router.otel", "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                       "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"}
+    run(sys.executable, "-c", argv[2])
 
 
 def test_the_router_image_builds_its_tokenizer_with_a_real_module(tmp_path):
@@ -711,7 +724,7 @@ def test_the_schema_covers_every_value_and_lists_the_router_policies():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     # maps of free keys (names, labels, Kubernetes objects) have no declared properties
     free = ("env", "policyOptions", "annotations", "labels", "podAnnotations", "nodeSelector", "affinity",
-            "requests", "limits", "httpGet", "volume", "podSecurityContext", "securityContext")
+            "requests", "limits", "httpGet", "volume", "podSecurityContext", "securityContext", "resourceAttributes")
     assert value_paths(values, free=free) <= schema_paths(schema, schema)
     assert schema["properties"]["router"]["properties"]["policy"]["enum"] == list(POLICIES)
 
@@ -1537,3 +1550,99 @@ def test_chart_without_tls_serves_plain_http():
     env = env_of(router_of(by_kind(helm_template(*values)))["spec"]["template"]["spec"]["containers"][0])
     assert env["KVROUTE_FLEET__REPLICA_CA_FILE"] == "/etc/kvroute/replica-tls/ca.crt"
     assert not {"KVROUTE_FLEET__REPLICA_CLIENT_CERT_FILE", "KVROUTE_FLEET__REPLICA_SERVER_NAME"} & set(env)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing: router.tracing
+
+
+TRACING_PROBE = """
+import sys
+from kvroute.router.config import load_settings
+from kvroute.router.tracing import make_tracing
+
+settings = load_settings([])
+assert settings.tracing, "KVROUTE_TRACING did not turn --tracing on"
+tracing = make_tracing(settings.tracing, settings.policy)
+for headers in ({}, {"traceparent": sys.argv[1]}):  # a new trace, then one the client sampled
+    request = tracing.request(headers, "POST /v1/chat/completions")
+    request.route().end()
+    request.end(200)
+tracing.shutdown()
+"""
+
+
+async def test_chart_tracing_turns_on_the_routers_spans_and_their_otlp_export(tmp_path):
+    """router.tracing renders KVROUTE_TRACING and OpenTelemetry's own variables (OTEL_*), which
+    are what configures the export: the router's settings and its tracing (router/tracing.py's
+    make_tracing, in a process given exactly the pod's environment, $(POD_NAME) as the kubelet
+    expands it) export over OTLP/HTTP to the collector named by `endpoint` (a real HTTP server on
+    loopback decoding the protobuf), under `serviceName`, with the pod's name, the namespace and
+    our attributes (percent-encoded by the chart, a comma and '=' inside one) in the resource, and
+    the sampler with its argument: at a ratio of 0 a new trace is dropped and a trace the client
+    sampled is kept (parentbased).  Off by default: no variable at all."""
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
+
+    exported: list[ExportTraceServiceRequest] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        assert request.content_type == "application/x-protobuf"
+        exported.append(ExportTraceServiceRequest.FromString(await request.read()))
+        return web.Response(body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 (the port the OS gave)
+    try:
+        values = tmp_path / "tracing.yaml"
+        values.write_text(yaml.safe_dump({"router": {"tracing": {
+            "enabled": True, "endpoint": f"http://127.0.0.1:{port}", "serviceName": "llm-router",
+            "sampler": "parentbased_traceidratio", "samplerArg": 0,
+            "resourceAttributes": {"deployment.environment": "prod", "team": "ml infra, west=1"}}}}))
+        kinds = helm_template_values(values)
+        container = router_of(kinds)["spec"]["template"]["spec"]["containers"][0]
+        env = env_of(container)
+        assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert (env["KVROUTE_TRACING"], env["OTEL_EXPORTER_OTLP_PROTOCOL"], env["OTEL_TRACES_SAMPLER_ARG"]) == \
+            ("true", "http/protobuf", "0")
+        # the pod's environment as the kubelet gives it (POD_NAME from the downward API)
+        pod_name = "rel-kvroute-router-5d8c9-x2x7q"
+        kubelet = {**container, "env": [{"name": "POD_NAME", "value": pod_name} if e["name"] == "POD_NAME" else e
+                                        for e in container["env"]]}
+        pod_env, _ = expand(kubelet, secret_values(kinds))
+        secret = tmp_path / "registration-secret"  # the mounted registration secret, read at start
+        secret.write_text(REGISTRATION_SECRET)
+        pod_env["KVROUTE_REGISTRATION_SECRET_FILE"] = str(secret)
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("KVROUTE_", "OTEL_"))}
+        client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+        probe = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", TRACING_PROBE, f"00-{client_trace}-00f067aa0ba902b7-01", env=base | pod_env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(probe.communicate(), 60)
+        assert probe.returncode == 0, out.decode()
+    finally:
+        await runner.cleanup()
+    resources = [r for batch in exported for r in batch.resource_spans]
+    spans = [s for r in resources for scope in r.scope_spans for s in scope.spans]
+    assert {s.trace_id.hex() for s in spans} == {client_trace}  # the new trace was not sampled
+    assert sorted(s.name for s in spans) == ["POST /v1/chat/completions", "kvroute.route"]
+    for resource in resources:
+        attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
+        assert attributes["service.name"] == "llm-router"
+        assert (attributes["k8s.pod.name"], attributes["k8s.namespace.name"]) == (pod_name, "llm")
+        assert (attributes["deployment.environment"], attributes["team"]) == ("prod", "ml infra, west=1")
+    # off by default; grpc and the default sampler render as such
+    assert not {k for k in env_of(router_of(by_kind(helm_template()))["spec"]["template"]["spec"]["containers"][0])
+                if k.startswith(("OTEL_", "KVROUTE_TRACING"))}
+    grpc = env_of(router_of(by_kind(helm_template("router.tracing.enabled=true", "router.tracing.protocol=grpc")))
+                  ["spec"]["template"]["spec"]["containers"][0])
+    assert (grpc["OTEL_EXPORTER_OTLP_PROTOCOL"], grpc["OTEL_TRACES_SAMPLER"]) == ("grpc", "parentbased_always_on")
+    assert not {"OTEL_TRACES_SAMPLER_ARG", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME"} & set(grpc)
