@@ -86,7 +86,7 @@ def _add_registration_arguments(g: argparse._ArgumentGroup) -> None:
                         "$KVROUTE_REGISTRATION_SECRET; a flag is visible in `ps`: prefer the file)")
     g.add_argument("--registration-secret-file", default=os.environ.get("KVROUTE_REGISTRATION_SECRET_FILE") or None,
                    help="file holding that secret, e.g. a mounted Kubernetes Secret (default "
-                        "$KVROUTE_REGISTRATION_SECRET_FILE)")
+                        "$KVROUTE_REGISTRATION_SECRET_FILE); with several lines (a rotation) the first signs")
     g.add_argument("--advertise-host", default=None,
                    help="host routers reach this replica and its KV events at (default: --host, or this "
                         "machine's name when --host is a wildcard)")
@@ -291,10 +291,13 @@ def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def _registration_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bytes | None:
-    from kvroute.common.registration_auth import read_secret
+    """The secret the launcher signs its registration with: the first of the file's lines (during a
+    rotation the file the routers read may hold the new and the previous one; common/registration_auth.py)."""
+    from kvroute.common.registration_auth import read_secrets
 
     try:
-        return read_secret(args.registration_secret, args.registration_secret_file)
+        secrets = read_secrets(args.registration_secret, args.registration_secret_file)
+        return secrets[0] if secrets else None
     except ValueError as exc:
         parser.error(str(exc))
 

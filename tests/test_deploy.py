@@ -122,7 +122,7 @@ def test_compose_router_environment_is_valid_router_settings(compose, monkeypatc
     assert settings.fleet.dns_name == env["KVROUTE_FLEET__DNS_NAME"]
     assert settings.redis_url == env["KVROUTE_REDIS_URL"] and settings.fleet.discovery_redis
     assert settings.policy == "cost_model" and not settings.api_keys and settings.admin_token is None
-    assert settings.registration_key() == REGISTRATION_SECRET.encode()
+    assert settings.registration_keys() == (REGISTRATION_SECRET.encode(),)
 
 
 def test_compose_publishes_on_loopback_unless_told_otherwise(compose):
@@ -1333,7 +1333,7 @@ def test_chart_routers_verify_and_replicas_sign_registrations_with_one_secret(tm
     router_env = literal_env(pods["router"]["spec"]["containers"][0])
     (tmp_path / "secret").write_text(secret)
     router_env["KVROUTE_REGISTRATION_SECRET_FILE"] = str(tmp_path / "secret")
-    assert load_router_env(router_env, monkeypatch).registration_key() == secret.encode()
+    assert load_router_env(router_env, monkeypatch).registration_keys() == (secret.encode(),)
     # given, an existing Secret, or off
     given = by_kind(helm_template("registration.secret=a-given-registration-secret"))
     assert secret_values(given)[("rel-kvroute-registration", "registration-secret")] == "a-given-registration-secret"
@@ -1351,6 +1351,29 @@ def test_chart_routers_verify_and_replicas_sign_registrations_with_one_secret(tm
         helm_template("registration.secret=short")
     with pytest.raises(AssertionError, match="sign"):
         helm_template("registration.sign=true")
+
+
+def test_chart_registration_secret_may_hold_a_rotations_two_secrets(tmp_path, monkeypatch):
+    """During a rotation registration.secret holds the new and the previous secret, one per line:
+    the Secret keeps both lines, the router's settings read both (any is believed), a launcher's
+    the first; the schema still refuses a short one among them."""
+    from kvroute.replica.cli import build_parser, _registration_key
+
+    values = tmp_path / "rotation.yaml"
+    values.write_text("registration:\n  secret: |\n    the-new-registration-secret\n    the-old-registration-secret\n")
+    kinds = helm_template_values(values)
+    secret = secret_values(kinds)[("rel-kvroute-registration", "registration-secret")]
+    (tmp_path / "secret").write_text(secret)  # the file Kubernetes mounts
+    router_env = literal_env(pods_of(kinds)["router"]["spec"]["containers"][0])
+    router_env["KVROUTE_REGISTRATION_SECRET_FILE"] = str(tmp_path / "secret")
+    assert load_router_env(router_env, monkeypatch).registration_keys() == \
+        (b"the-new-registration-secret", b"the-old-registration-secret")
+    parser = build_parser()
+    args = parser.parse_args(["--engine", "vllm", "--model", "m", "--registration-secret-file", str(tmp_path / "secret")])
+    assert _registration_key(args, parser) == b"the-new-registration-secret"
+    values.write_text("registration:\n  secret: |\n    the-new-registration-secret\n    short\n")
+    with pytest.raises(AssertionError, match="registration.secret"):
+        helm_template_values(values)
 
 
 async def test_rediss_with_a_ca_bundle_in_the_url_reaches_a_tls_redis(tmp_path):
