@@ -1049,7 +1049,8 @@ def test_chart_extensions_reach_every_pod():
         assert spread["labelSelector"] == given.get("labelSelector", {"matchLabels": selector["matchLabels"]}), component
     assert pods["redis"]["spec"]["nodeSelector"] == values["redis"]["nodeSelector"]
     assert pods["redis"]["spec"]["tolerations"] == values["redis"]["tolerations"]
-    assert pods["redis"]["metadata"]["annotations"] == values["redis"]["podAnnotations"]
+    assert {k: v for k, v in pods["redis"]["metadata"]["annotations"].items() if k != "checksum/secret"} == \
+        values["redis"]["podAnnotations"]
     for component in ("router", "replica"):
         spec, v = pods[component]["spec"], values[component]
         c = spec["containers"][0]
@@ -1374,6 +1375,40 @@ def test_chart_registration_secret_may_hold_a_rotations_two_secrets(tmp_path, mo
     values.write_text("registration:\n  secret: |\n    the-new-registration-secret\n    short\n")
     with pytest.raises(AssertionError, match="registration.secret"):
         helm_template_values(values)
+
+
+def secret_checksums(*sets: str) -> dict[str, str]:
+    """component -> the checksum/secret annotation of its pod template."""
+    return {c: pod["metadata"]["annotations"]["checksum/secret"] for c, pod in pods_of(by_kind(helm_template(*sets))).items()}
+
+
+def test_pods_restart_when_a_secret_they_read_changes_and_only_then():
+    """Routers, replicas and Redis read their Secrets at start, so each pod template carries the
+    sum of those it reads (checksum/secret): a new registration secret (a rotation step) or API key
+    restarts the routers and the replicas, a new Redis password all three, anything else none.
+    Generated values are drawn once per render: an install's sums equal those of an upgrade that
+    finds the same values (lookup, here given as values), so an upgrade restarts nothing by itself."""
+    kinds = by_kind(helm_template())
+    secrets = secret_values(kinds)
+    registration = secrets[("rel-kvroute-registration", "registration-secret")]
+    password = secrets[("rel-kvroute-redis", "redis-password")]
+    kept = (f"registration.secret={registration}", f"redis.auth.password={password}")
+    base = secret_checksums(*kept)
+    assert set(base) == {"router", "replica", "redis"}
+    assert {c: pod["metadata"]["annotations"]["checksum/secret"] for c, pod in pods_of(kinds).items()} == base
+
+    def restarted(*sets: str) -> set[str]:
+        return {c for c, checksum in secret_checksums(*kept, *sets).items() if checksum != base[c]}
+
+    assert restarted("registration.secret=the-next-registration-secret") == {"router", "replica"}
+    assert restarted("registration.secret=" + registration + "\nthe-next-registration-secret") == {"router", "replica"}
+    assert restarted("auth.apiKeys={k1}") == {"router", "replica"}
+    assert restarted("auth.replicaApiKey=rk") == {"router", "replica"}
+    assert restarted("redis.auth.password=another-redis-password") == {"router", "replica", "redis"}
+    assert restarted("router.replicaCount=3", "replica.replicaCount=4", "router.policy=round_robin") == set()
+    # emulated replicas and podAnnotations of one's own keep it
+    emulated = pods_of(by_kind(helm_template("replica.engine=emulated", "replica.podAnnotations.team=ml")))
+    assert set(emulated["replica"]["metadata"]["annotations"]) == {"checksum/secret", "team"}
 
 
 async def test_rediss_with_a_ca_bundle_in_the_url_reaches_a_tls_redis(tmp_path):
