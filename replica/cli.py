@@ -8,7 +8,9 @@
     kvroute replica --engine vllm --port P [--host H] --model NAME [--model-path DIR|HF_ID]
                     [--device auto|cpu|gpu] [--block-size N] [--kv-cache-bytes N] [--num-gpu-blocks N]
                     [--max-model-len N] [--events-endpoint tcp://*:P] [--replay-endpoint tcp://*:P]
-                    [--redis-url URL] [--redis-key-prefix P] [--advertise-host H] [--vllm-python PY] ...
+                    [--redis-url URL] [--redis-key-prefix P] [--advertise-host H] [--vllm-python PY]
+                    [--ssl-certfile F --ssl-keyfile F [--ssl-ca-certs CA --ssl-cert-reqs 2
+                     --ssl-client-certfile F --ssl-client-keyfile F]] ...
 
 ``--engine vllm`` runs a real vLLM with the flags the router relies on (prefix caching, KV events,
 cached-token counts; see replica/vllm.py), registers it in Redis once healthy, and deregisters and
@@ -60,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall seconds per emulated second: 0.1 runs 10x faster, 0 answers at once")
     p.add_argument("--default-max-tokens", type=int, default=16,
                    help="output length of chat requests that set no max_tokens (they finish with 'stop')")
-    tls = p.add_argument_group("HTTPS of the emulated replica (vLLM's flag names)")
+    tls = p.add_argument_group("HTTPS (vLLM's flags: the emulated replica serves them, --engine vllm passes them to "
+                               "vLLM; the registered URL is then https)")
     tls.add_argument("--ssl-certfile", metavar="FILE", default=None, help="PEM certificate: serve HTTPS")
     tls.add_argument("--ssl-keyfile", metavar="FILE", default=None, help="PEM private key of --ssl-certfile")
     tls.add_argument("--ssl-ca-certs", metavar="FILE", default=None, help="PEM CA bundle of client certificates")
@@ -132,6 +135,10 @@ def _add_vllm_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--vllm-entry", default=None, help="module run with -m (default: vllm.entrypoints.openai.api_server)")
     g.add_argument("--vllm-args", default=None, help="more vLLM flags, one shell-quoted string, appended last")
     g.add_argument("--vllm-log", default=None, help="append vLLM's output to this file (default: our stdout/stderr)")
+    g.add_argument("--ssl-client-certfile", metavar="FILE", default=None,
+                   help="with --ssl-cert-reqs 2: the client certificate (signed by a CA of --ssl-ca-certs) the "
+                        "launcher presents to vLLM for its own /health and /metrics checks")
+    g.add_argument("--ssl-client-keyfile", metavar="FILE", default=None, help="private key of --ssl-client-certfile")
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -241,7 +248,8 @@ def vllm_config(args: argparse.Namespace, *, python: str, model_path: str, devic
         kv_cache_bytes=args.kv_cache_bytes, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
         tokenizer=args.tokenizer, api_key=args.api_key, cpu_threads=args.threads, dev_mode=args.dev_mode,
         python=python, entry_module=args.vllm_entry or DEFAULT_ENTRY_MODULE,
-        extra_args=split_extra_args(args.vllm_args),
+        extra_args=split_extra_args(args.vllm_args), ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
     )
 
 
@@ -277,7 +285,18 @@ def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     else:
         logging.getLogger(__name__).warning("no --redis-url: the replica will not be registered")
     timeouts = Timeouts(startup=args.startup_timeout, drain_grace=args.drain_grace, drain=args.drain_timeout)
-    supervisor = VllmSupervisor(config, registration, timeouts, log_path=args.vllm_log)
+    client_cert = None
+    if args.ssl_client_certfile or args.ssl_client_keyfile:
+        if not (args.ssl_client_certfile and args.ssl_client_keyfile):
+            parser.error("--ssl-client-certfile and --ssl-client-keyfile go together")
+        client_cert = (args.ssl_client_certfile, args.ssl_client_keyfile)
+    elif config.ssl_cert_reqs == 2:
+        parser.error("--ssl-cert-reqs 2: vLLM will require a client certificate of the launcher's own checks "
+                     "(/health, /metrics) too: give --ssl-client-certfile and --ssl-client-keyfile")
+    try:
+        supervisor = VllmSupervisor(config, registration, timeouts, log_path=args.vllm_log, client_cert=client_cert)
+    except ValueError as exc:  # common/tls.py's TlsFileError: the file named
+        parser.error(str(exc))
 
     async def run() -> int:
         stop = asyncio.Event()

@@ -268,18 +268,22 @@ async def test_a_replayed_registration_expires(redis_url, redis_prefix):
 
 
 # vLLM's command line served by the emulated replica: what the vLLM launcher runs, without vLLM
+# (HTTPS too: vLLM's --ssl-* flags are the emulated replica's)
 STAND_IN_VLLM = """
 import argparse, asyncio
 from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 
 p = argparse.ArgumentParser()
-for flag in ("--served-model-name", "--host", "--port", "--block-size"):
+for flag in ("--served-model-name", "--host", "--port", "--block-size", "--ssl-certfile", "--ssl-keyfile",
+             "--ssl-ca-certs", "--ssl-cert-reqs"):
     p.add_argument(flag)
 args, _ = p.parse_known_args()
 
 async def main():
     config = ReplicaConfig(model=args.served_model_name, host=args.host, port=int(args.port),
-                           block_size=int(args.block_size), time_scale=0)
+                           block_size=int(args.block_size), time_scale=0, ssl_certfile=args.ssl_certfile,
+                           ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+                           ssl_cert_reqs=int(args.ssl_cert_reqs or 0))
     await EmulatedReplica(config).start()
     await asyncio.Event().wait()
 
@@ -287,25 +291,30 @@ asyncio.run(main())
 """
 
 
+def start_vllm_launcher(tmp_path: Path, port: int, redis_url: str, prefix: str, *more: str) -> subprocess.Popen[str]:
+    """`kvroute replica --engine vllm` as users run it, registering in Redis, with ``more`` of its
+    arguments, in front of STAND_IN_VLLM (written to ``tmp_path``) instead of vLLM."""
+    (tmp_path / "stand_in_vllm.py").write_text(STAND_IN_VLLM)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tmp_path), env.get("PYTHONPATH"))))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", "replica", "--engine", "vllm", "--model", MODEL, "--model-path",
+         str(tmp_path), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--vllm-python",
+         sys.executable, "--vllm-entry", "stand_in_vllm", "--redis-url", redis_url, "--redis-key-prefix", prefix,
+         "--startup-timeout", "60", "--drain-timeout", "1", "--drain-grace", "0", *more],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+
+
 async def test_the_vllm_launcher_signs_its_registration(redis_url, redis_prefix, tmp_path):
     """`kvroute replica --engine vllm` (a stand-in vLLM) registers signed: a router with the
     secret believes it, and its hash verifies with the secret and with nothing else."""
     from kvroute.common.registration import list_registrations
 
-    (tmp_path / "stand_in_vllm.py").write_text(STAND_IN_VLLM)
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tmp_path), env.get("PYTHONPATH"))))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "replica", "--engine", "vllm", "--model", MODEL, "--model-path",
-         str(tmp_path), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--vllm-python",
-         sys.executable, "--vllm-entry", "stand_in_vllm", "--redis-url", redis_url, "--redis-key-prefix", redis_prefix,
-         "--registration-secret-file", str(secret_file), "--startup-timeout", "60", "--drain-timeout", "1",
-         "--drain-grace", "0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    proc = start_vllm_launcher(tmp_path, port, redis_url, redis_prefix, "--registration-secret-file", str(secret_file))
     redis = aioredis.Redis.from_url(redis_url)
     try:
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)  # the ready line
