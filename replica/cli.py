@@ -83,6 +83,10 @@ def _add_registration_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--redis-key-prefix", default=os.environ.get("KVROUTE_REDIS_KEY_PREFIX", "kvroute"),
                    help="prefix of the registration keys, the routers' (default $KVROUTE_REDIS_KEY_PREFIX or kvroute)")
     g.add_argument("--name", default=None, help="registration name (default: the replica's URL)")
+    g.add_argument("--name-from-dns", action="store_true",
+                   help="register under the name the resolver of /etc/resolv.conf gives the advertised IP (a "
+                        "container's name on Docker's network: compose's kvroute-replica-emulated-3); the "
+                        "hostname if it gives none")
     g.add_argument("--registration-ttl", type=float, default=15.0, help="seconds a registration outlives its last heartbeat")
     g.add_argument("--registration-secret", default=os.environ.get("KVROUTE_REGISTRATION_SECRET") or None,
                    help="sign the registration with this shared secret, the routers' (default "
@@ -321,15 +325,43 @@ def _registration_key(args: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error(str(exc))
 
 
+def _name_from_dns(args: argparse.Namespace, parser: argparse.ArgumentParser, server: str | None = None,
+                   port: int = 53) -> str:
+    """--name-from-dns: the first label of the name DNS gives the advertised address (Docker's DNS:
+    the container's name, stable across restarts, unlike its IP; replica/container_name.py), else
+    the hostname, with a warning."""
+    import socket
+
+    from kvroute.replica.container_name import container_name
+    from kvroute.replica.vllm import advertised_host
+
+    if args.name:
+        parser.error("--name and --name-from-dns: give one")
+    host = advertised_host(args.host, args.advertise_host)
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError as exc:
+        parser.error(f"--name-from-dns: {host} has no address: {exc}")
+    name = container_name(ip, server, port)
+    if name is None:
+        name = socket.gethostname()
+        logging.getLogger(__name__).warning("--name-from-dns: no DNS name for %s; registering as %s", ip, name)
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.registration_key = _registration_key(args, parser)
     if args.engine == "vllm":
         configure_logging(args.log_level, args.log_format)
+        if args.name_from_dns:
+            args.name = _name_from_dns(args, parser)
         return _main_vllm(args, parser)
     _check(args, parser)
     configure_logging(args.log_level, args.log_format)
+    if args.name_from_dns:
+        args.name = _name_from_dns(args, parser)
     from kvroute.replica.emulated.server import ReplicaConfig
 
     config = ReplicaConfig(

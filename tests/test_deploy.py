@@ -229,40 +229,32 @@ def launched_args(service: dict[str, Any]) -> list[str]:
     return argv[1:]
 
 
-def container_name_here() -> str:
-    """What the compose replicas' entrypoint should find as this machine's "container name": the
-    first label of the name the resolver gives this host's address (Docker's DNS: the container's
-    name, kvroute-replica-emulated-3.kvroute_default), else the hostname."""
-    import socket
-
-    try:
-        return socket.gethostbyaddr(socket.gethostbyname(socket.gethostname()))[0].split(".")[0]
-    except OSError:
-        return socket.gethostname()
-
-
 def test_compose_replicas_register_under_their_container_name(compose):
-    """Every compose replica gives its launcher --name, the name its container answers to (found
-    when it starts, a scaled service's replicas each their own), so the routers label its metrics
-    with that name rather than the IP:port a restart changes (router/fleet/discovery/labels.py)."""
-    import ipaddress
-
+    """Every compose replica's launcher registers under the name its container answers to on
+    Docker's network (--name-from-dns, found when it starts: a scaled service's replicas each their
+    own), so the routers label its metrics with that name rather than the IP:port a restart
+    changes (router/fleet/discovery/labels.py).  Docker's DNS stands in as a server on loopback
+    answering the reverse lookup of the replica's advertised IP (tests/test_container_name.py)."""
     from kvroute.common.registration import ReplicaRecord
-    from kvroute.replica.cli import build_parser
+    from kvroute.replica.cli import _name_from_dns, build_parser
     from kvroute.router.fleet.discovery.labels import replica_label
+    from tests.test_container_name import DockerLikeDns
 
     services = compose["emulated"]["services"] | compose["gpu"]["services"]
     replicas = {n: s for n, s in services.items()
                 if "replica" in ((s.get("networks") or {}).get("default") or {}).get("aliases", [])}
     assert set(replicas) == PROFILES["emulated"] | PROFILES["gpu"]
     for name, service in replicas.items():
-        args = build_parser().parse_args(launched_args(service))
-        assert args.name == container_name_here(), name
-        with pytest.raises(ValueError):
-            ipaddress.ip_address(args.name)
+        parser = build_parser()
+        args = parser.parse_args(launched_args(service))
+        assert args.name_from_dns and args.name is None, name
+        container = f"kvroute-{name}-1"
+        with DockerLikeDns({args.advertise_host: f"{container}.kvroute_default"}) as dns:
+            args.name = _name_from_dns(args, parser, "127.0.0.1", dns.port)
+        assert args.name == container, name
         url = f"http://{args.advertise_host}:8000"
         record = ReplicaRecord(url=url, model="m", engine=args.engine, name=args.name)
-        assert replica_label(url, [], record) == args.name  # the name, not the address
+        assert replica_label(url, [], record) == container  # the name, not the address
 
 
 def test_compose_replica_commands_are_valid_launcher_arguments(compose):
