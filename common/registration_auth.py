@@ -8,6 +8,12 @@ the canonical text of every other field together with the key prefix and the ent
 signed hash copied to another name, another prefix or another fleet does not verify).  A router
 holding the secret believes an entry only if its signature verifies and it has not expired: a
 replayed old registration stops being believed ``CLOCK_SKEW_S`` after its ``expires_at``.
+
+Rotation without a gap: the secret's text may hold several secrets, one per line.  A launcher
+signs with the first; a router believes an entry signed with any of them.  So the fleet moves from
+OLD to NEW in three rollouts, each safe in any order of restarts: "OLD, NEW" (routers learn NEW,
+launchers still sign with OLD), "NEW, OLD" (launchers sign with NEW, which every router already
+believes), "NEW" (OLD no longer believed) (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import hashlib
 import hmac
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -30,9 +36,11 @@ Rejection = Literal["unsigned", "bad_signature", "stale"]
 REJECTIONS: tuple[Rejection, ...] = ("unsigned", "bad_signature", "stale")
 
 
-def read_secret(value: str | None, path: str | Path | None) -> bytes | None:
-    """The secret given inline or in a file (Kubernetes mounts Secrets as files; a trailing newline
-    is not part of it).  Both, or an empty one, is an error: a typo must not turn signing off."""
+def read_secrets(value: str | None, path: str | Path | None) -> tuple[bytes, ...]:
+    """The secrets given inline or in a file (Kubernetes mounts Secrets as files), one per line:
+    the first signs, any verifies (rotation, above); blank lines and the space around a secret
+    (a trailing newline) are not part of any.  Empty: none given.  Both, or a file with no secret,
+    is an error: a typo must not turn signing off."""
     if value and path:
         raise ValueError("give the registration secret once: inline or as a file, not both")
     if path:
@@ -40,10 +48,9 @@ def read_secret(value: str | None, path: str | Path | None) -> bytes | None:
             value = Path(path).read_text()
         except OSError as exc:
             raise ValueError(f"registration secret file {path}: {exc.strerror or exc}") from None
-        value = value.strip()
-        if not value:
+        if not value.strip():
             raise ValueError(f"registration secret file {path} is empty")
-    return value.encode() if value else None
+    return tuple(line.strip().encode() for line in (value or "").splitlines() if line.strip())
 
 
 def _canonical(prefix: str, name: str, fields: Mapping[str, str]) -> bytes:
@@ -63,13 +70,17 @@ def sign(fields: Mapping[str, str], prefix: str, name: str, secret: bytes, expir
     return out
 
 
-def verify(fields: Mapping[str, str], prefix: str, name: str, secret: bytes, now: float) -> Rejection | None:
-    """None if the entry ``name`` (its hash ``fields``) was signed with ``secret`` and has not
-    expired; else why it is not believed."""
+def verify(
+    fields: Mapping[str, str], prefix: str, name: str, secrets: bytes | Sequence[bytes], now: float
+) -> Rejection | None:
+    """None if the entry ``name`` (its hash ``fields``) was signed with ``secrets`` (one, or any of
+    several: the current and the previous during a rotation) and has not expired; else why it is
+    not believed."""
     signature = fields.get(SIGNATURE_FIELD)
     if not signature:
         return "unsigned"
-    if not hmac.compare_digest(signature, _mac(secret, prefix, name, fields)):
+    keys = (secrets,) if isinstance(secrets, bytes) else secrets
+    if not any(hmac.compare_digest(signature, _mac(key, prefix, name, fields)) for key in keys):
         return "bad_signature"
     try:
         expires_at = float(fields.get(EXPIRES_FIELD, "nan"))

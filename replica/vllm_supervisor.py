@@ -20,14 +20,17 @@ import logging
 import os
 import shlex
 import signal
+import ssl
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 import aiohttp
 
 from kvroute.common.registration import KeptRegistration, ReplicaRecord
 from kvroute.common.scrape import ScrapeResult, parse_vllm_metrics
+from kvroute.common.tls import client_context
 
 from kvroute.replica.vllm import VllmReplicaConfig, build_command, build_env
 
@@ -71,8 +74,11 @@ class VllmSupervisor:
         registration: Registration | None = None,
         timeouts: Timeouts = Timeouts(),
         log_path: str | None = None,
+        client_cert: tuple[str, str] | None = None,  # (cert, key) for an HTTPS vLLM that requires one
     ) -> None:
         self.config = config
+        self.client_cert = client_cert
+        self._ssl = self._tls()  # now: a client certificate that cannot be loaded stops the launch here
         self.registration = registration
         self.timeouts = timeouts
         self.log_path = log_path
@@ -92,11 +98,27 @@ class VllmSupervisor:
             host = "127.0.0.1"
         elif host == "::":
             host = "::1"
-        return f"http://[{host}]:{self.config.port}" if ":" in host else f"http://{host}:{self.config.port}"
+        scheme = self.config.scheme
+        return f"{scheme}://[{host}]:{self.config.port}" if ":" in host else f"{scheme}://{host}:{self.config.port}"
+
+    def _tls(self) -> ssl.SSLContext | bool:
+        """The launcher's TLS towards its own vLLM (True: plain HTTP, aiohttp's default).  It dials
+        its child on loopback, where the certificate (made for the name routers use) cannot match,
+        so the server is not verified; with ``client_cert`` it presents that certificate, for a
+        vLLM that requires one (--ssl-cert-reqs 2)."""
+        if self.config.scheme != "https":
+            return True
+        cert, key = self.client_cert if self.client_cert else (None, None)
+        ctx = client_context(None, cert and Path(cert), key and Path(key),
+                             names=("", "--ssl-client-certfile", "--ssl-client-keyfile"))
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
 
     async def run(self, stop: asyncio.Event) -> int:
         """Run until ``stop`` is set (returns 0) or vLLM exits by itself (returns its exit code)."""
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5),
+                                           connector=aiohttp.TCPConnector(ssl=self._ssl))
         self._stopping = asyncio.ensure_future(stop.wait())
         try:
             await self._start()

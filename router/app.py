@@ -115,7 +115,7 @@ class RouterApp:
         self.index_client = IndexClient(self.index, metrics=self.metrics.index, timeout_s=s.index_timeout_s)
         self.fleet = Fleet(
             s.fleet, self.session, index=self.index_client, registry=self.metrics.registry, follows_events=s.kv_events,
-            registration_secret=s.registration_key(),
+            registration_secrets=s.registration_keys(),
         )
         self.fleet.subscribe(self._on_fleet_event)
         self.metrics.replica_label = self.fleet.label  # series name a replica as discovery does

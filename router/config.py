@@ -42,7 +42,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from kvroute.common.registration_auth import read_secret
+from kvroute.common.registration_auth import read_secrets
 
 from kvroute.router.fleet.discovery import ReplicaEntry, entry_url
 from kvroute.router.fleet.settings import FleetSettings
@@ -105,7 +105,7 @@ class RouterSettings(BaseSettings):
     )
 
     config: Path | None = Field(None, description="config file (.toml or .json; .yaml with PyYAML)")
-    _registration_key: bytes | None = PrivateAttr(None)
+    _registration_keys: tuple[bytes, ...] = PrivateAttr(())
     # `_hint(NAME)`: what --help calls a flag's value where router/settings_cli.py's rule says less
 
     # -- listening -------------------------------------------------------------------------
@@ -248,12 +248,14 @@ class RouterSettings(BaseSettings):
     tenant_salt_secret: SecretStr | None = Field(None, description="HMAC key of tenant salts (share it among routers)")
     registration_secret: SecretStr | None = Field(
         None, description="shared secret of Redis registrations: only those its replica launchers signed are "
-        "believed (unset: every registration, and a warning at start); prefer registration_secret_file",
+        "believed (unset: every registration, and a warning at start); several, one per line, during a "
+        "rotation (any is believed); prefer registration_secret_file",
         json_schema_extra=_hint("SECRET"),
     )
     registration_secret_file: Path | None = Field(
-        None, description="file holding registration_secret (a mounted Kubernetes Secret; a trailing newline is "
-        "ignored)", json_schema_extra=_hint("FILE"),
+        None, description="file holding registration_secret (a mounted Kubernetes Secret): one secret per line, "
+        "an entry signed with any of them believed (a rotation: the new and the previous; blank lines ignored)",
+        json_schema_extra=_hint("FILE"),
     )
 
     allow_client_chat_template: bool = Field(
@@ -362,7 +364,7 @@ class RouterSettings(BaseSettings):
     @model_validator(mode="after")
     def _registration_secret_read(self) -> RouterSettings:
         # read now: a missing or empty file stops the router at start, not at its first listing
-        self._registration_key = read_secret(
+        self._registration_keys = read_secrets(
             self.registration_secret.get_secret_value() if self.registration_secret else None,
             self.registration_secret_file,
         )
@@ -399,9 +401,9 @@ class RouterSettings(BaseSettings):
     def tokenizer_dir(self, model: str) -> str | None:
         return self.tokenizers.get(model, self.tokenizer)
 
-    def registration_key(self) -> bytes | None:
-        """The secret Redis registrations must be signed with (None: believe them all)."""
-        return self._registration_key
+    def registration_keys(self) -> tuple[bytes, ...]:
+        """The secrets a Redis registration may be signed with, any of them (none: believe them all)."""
+        return self._registration_keys
 
     def client_keys(self) -> set[str]:
         return {key.get_secret_value() for key in self.api_keys}

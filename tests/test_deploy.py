@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,7 @@ def test_compose_router_environment_is_valid_router_settings(compose, monkeypatc
     assert settings.fleet.dns_name == env["KVROUTE_FLEET__DNS_NAME"]
     assert settings.redis_url == env["KVROUTE_REDIS_URL"] and settings.fleet.discovery_redis
     assert settings.policy == "cost_model" and not settings.api_keys and settings.admin_token is None
-    assert settings.registration_key() == REGISTRATION_SECRET.encode()
+    assert settings.registration_keys() == (REGISTRATION_SECRET.encode(),)
 
 
 def test_compose_publishes_on_loopback_unless_told_otherwise(compose):
@@ -228,6 +229,34 @@ def launched_args(service: dict[str, Any]) -> list[str]:
     return argv[1:]
 
 
+def test_compose_replicas_register_under_their_container_name(compose):
+    """Every compose replica's launcher registers under the name its container answers to on
+    Docker's network (--name-from-dns, found when it starts: a scaled service's replicas each their
+    own), so the routers label its metrics with that name rather than the IP:port a restart
+    changes (router/fleet/discovery/labels.py).  Docker's DNS stands in as a server on loopback
+    answering the reverse lookup of the replica's advertised IP (tests/test_container_name.py)."""
+    from kvroute.common.registration import ReplicaRecord
+    from kvroute.replica.cli import _name_from_dns, build_parser
+    from kvroute.router.fleet.discovery.labels import replica_label
+    from tests.test_container_name import DockerLikeDns
+
+    services = compose["emulated"]["services"] | compose["gpu"]["services"]
+    replicas = {n: s for n, s in services.items()
+                if "replica" in ((s.get("networks") or {}).get("default") or {}).get("aliases", [])}
+    assert set(replicas) == PROFILES["emulated"] | PROFILES["gpu"]
+    for name, service in replicas.items():
+        parser = build_parser()
+        args = parser.parse_args(launched_args(service))
+        assert args.name_from_dns and args.name is None, name
+        container = f"kvroute-{name}-1"
+        with DockerLikeDns({args.advertise_host: f"{container}.kvroute_default"}) as dns:
+            args.name = _name_from_dns(args, parser, "127.0.0.1", dns.port)
+        assert args.name == container, name
+        url = f"http://{args.advertise_host}:8000"
+        record = ReplicaRecord(url=url, model="m", engine=args.engine, name=args.name)
+        assert replica_label(url, [], record) == container  # the name, not the address
+
+
 def test_compose_replica_commands_are_valid_launcher_arguments(compose):
     from kvroute.replica.cli import build_parser
 
@@ -315,15 +344,27 @@ def test_dockerfile_sources_and_commands_exist(name):
 def test_the_router_image_installs_the_lock_and_nothing_it_resolves_itself():
     """deploy/requirements.lock (exact versions and hashes, `make lock`) is what the router image
     installs, without resolving anything; kvroute follows without dependencies; `pip check`
-    fails the build when the lock lacks one.  (The lock against pyproject.toml:
-    tests/test_packaging.py.)"""
+    fails the build when the lock lacks one, and an import of what --tracing loads (the chart's
+    router.tracing) fails it when the image could not trace.  (The lock against pyproject.toml and
+    its extras: tests/test_packaging.py.)"""
+    import shlex
+
     text = (DEPLOY / "Dockerfile.router").read_text()
     runs = [" ".join(line.split()) for line in text.replace("\\\n", " ").splitlines() if line.startswith("RUN ")]
     installs = [r for r in runs if "pip install" in r]
     assert installs[0].endswith("pip install --no-cache-dir --no-deps --require-hashes -r /tmp/requirements.lock")
     assert "COPY deploy/requirements.lock /tmp/requirements.lock" in text
-    assert installs[1] == "RUN pip install --no-cache-dir --no-deps . && pip check"
+    install, check, traces = installs[1].removeprefix("RUN ").split(" && ")
+    assert (install, check) == ("pip install --no-cache-dir --no-deps .", "pip check")
     assert len(installs) == 2 and "pip wheel" not in text
+    # the import the build runs: the router's OpenTelemetry module and both OTLP exporters
+    # (router/otel.py's exporter_from_env picks one by protocol), which exist and import here
+    argv = shlex.split(traces)
+    assert argv[:2] == ["python", "-c"]
+    modules = {m.strip() for m in argv[2].removeprefix("import ").split(",")}
+    assert modules == {"kvroute.router.otel", "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                       "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"}
+    run(sys.executable, "-c", argv[2])
 
 
 def test_the_router_image_builds_its_tokenizer_with_a_real_module(tmp_path):
@@ -711,7 +752,7 @@ def test_the_schema_covers_every_value_and_lists_the_router_policies():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     # maps of free keys (names, labels, Kubernetes objects) have no declared properties
     free = ("env", "policyOptions", "annotations", "labels", "podAnnotations", "nodeSelector", "affinity",
-            "requests", "limits", "httpGet", "volume", "podSecurityContext", "securityContext")
+            "requests", "limits", "httpGet", "volume", "podSecurityContext", "securityContext", "resourceAttributes")
     assert value_paths(values, free=free) <= schema_paths(schema, schema)
     assert schema["properties"]["router"]["properties"]["policy"]["enum"] == list(POLICIES)
 
@@ -1036,7 +1077,8 @@ def test_chart_extensions_reach_every_pod():
         assert spread["labelSelector"] == given.get("labelSelector", {"matchLabels": selector["matchLabels"]}), component
     assert pods["redis"]["spec"]["nodeSelector"] == values["redis"]["nodeSelector"]
     assert pods["redis"]["spec"]["tolerations"] == values["redis"]["tolerations"]
-    assert pods["redis"]["metadata"]["annotations"] == values["redis"]["podAnnotations"]
+    assert {k: v for k, v in pods["redis"]["metadata"]["annotations"].items() if k != "checksum/secret"} == \
+        values["redis"]["podAnnotations"]
     for component in ("router", "replica"):
         spec, v = pods[component]["spec"], values[component]
         c = spec["containers"][0]
@@ -1320,7 +1362,7 @@ def test_chart_routers_verify_and_replicas_sign_registrations_with_one_secret(tm
     router_env = literal_env(pods["router"]["spec"]["containers"][0])
     (tmp_path / "secret").write_text(secret)
     router_env["KVROUTE_REGISTRATION_SECRET_FILE"] = str(tmp_path / "secret")
-    assert load_router_env(router_env, monkeypatch).registration_key() == secret.encode()
+    assert load_router_env(router_env, monkeypatch).registration_keys() == (secret.encode(),)
     # given, an existing Secret, or off
     given = by_kind(helm_template("registration.secret=a-given-registration-secret"))
     assert secret_values(given)[("rel-kvroute-registration", "registration-secret")] == "a-given-registration-secret"
@@ -1338,6 +1380,63 @@ def test_chart_routers_verify_and_replicas_sign_registrations_with_one_secret(tm
         helm_template("registration.secret=short")
     with pytest.raises(AssertionError, match="sign"):
         helm_template("registration.sign=true")
+
+
+def test_chart_registration_secret_may_hold_a_rotations_two_secrets(tmp_path, monkeypatch):
+    """During a rotation registration.secret holds the new and the previous secret, one per line:
+    the Secret keeps both lines, the router's settings read both (any is believed), a launcher's
+    the first; the schema still refuses a short one among them."""
+    from kvroute.replica.cli import build_parser, _registration_key
+
+    values = tmp_path / "rotation.yaml"
+    values.write_text("registration:\n  secret: |\n    the-new-registration-secret\n    the-old-registration-secret\n")
+    kinds = helm_template_values(values)
+    secret = secret_values(kinds)[("rel-kvroute-registration", "registration-secret")]
+    (tmp_path / "secret").write_text(secret)  # the file Kubernetes mounts
+    router_env = literal_env(pods_of(kinds)["router"]["spec"]["containers"][0])
+    router_env["KVROUTE_REGISTRATION_SECRET_FILE"] = str(tmp_path / "secret")
+    assert load_router_env(router_env, monkeypatch).registration_keys() == \
+        (b"the-new-registration-secret", b"the-old-registration-secret")
+    parser = build_parser()
+    args = parser.parse_args(["--engine", "vllm", "--model", "m", "--registration-secret-file", str(tmp_path / "secret")])
+    assert _registration_key(args, parser) == b"the-new-registration-secret"
+    values.write_text("registration:\n  secret: |\n    the-new-registration-secret\n    short\n")
+    with pytest.raises(AssertionError, match="registration.secret"):
+        helm_template_values(values)
+
+
+def secret_checksums(*sets: str) -> dict[str, str]:
+    """component -> the checksum/secret annotation of its pod template."""
+    return {c: pod["metadata"]["annotations"]["checksum/secret"] for c, pod in pods_of(by_kind(helm_template(*sets))).items()}
+
+
+def test_pods_restart_when_a_secret_they_read_changes_and_only_then():
+    """Routers, replicas and Redis read their Secrets at start, so each pod template carries the
+    sum of those it reads (checksum/secret): a new registration secret (a rotation step) or API key
+    restarts the routers and the replicas, a new Redis password all three, anything else none.
+    Generated values are drawn once per render: an install's sums equal those of an upgrade that
+    finds the same values (lookup, here given as values), so an upgrade restarts nothing by itself."""
+    kinds = by_kind(helm_template())
+    secrets = secret_values(kinds)
+    registration = secrets[("rel-kvroute-registration", "registration-secret")]
+    password = secrets[("rel-kvroute-redis", "redis-password")]
+    kept = (f"registration.secret={registration}", f"redis.auth.password={password}")
+    base = secret_checksums(*kept)
+    assert set(base) == {"router", "replica", "redis"}
+    assert {c: pod["metadata"]["annotations"]["checksum/secret"] for c, pod in pods_of(kinds).items()} == base
+
+    def restarted(*sets: str) -> set[str]:
+        return {c for c, checksum in secret_checksums(*kept, *sets).items() if checksum != base[c]}
+
+    assert restarted("registration.secret=the-next-registration-secret") == {"router", "replica"}
+    assert restarted("registration.secret=" + registration + "\nthe-next-registration-secret") == {"router", "replica"}
+    assert restarted("auth.apiKeys={k1}") == {"router", "replica"}
+    assert restarted("auth.replicaApiKey=rk") == {"router", "replica"}
+    assert restarted("redis.auth.password=another-redis-password") == {"router", "replica", "redis"}
+    assert restarted("router.replicaCount=3", "replica.replicaCount=4", "router.policy=round_robin") == set()
+    # emulated replicas and podAnnotations of one's own keep it
+    emulated = pods_of(by_kind(helm_template("replica.engine=emulated", "replica.podAnnotations.team=ml")))
+    assert set(emulated["replica"]["metadata"]["annotations"]) == {"checksum/secret", "team"}
 
 
 async def test_rediss_with_a_ca_bundle_in_the_url_reaches_a_tls_redis(tmp_path):
@@ -1537,3 +1636,99 @@ def test_chart_without_tls_serves_plain_http():
     env = env_of(router_of(by_kind(helm_template(*values)))["spec"]["template"]["spec"]["containers"][0])
     assert env["KVROUTE_FLEET__REPLICA_CA_FILE"] == "/etc/kvroute/replica-tls/ca.crt"
     assert not {"KVROUTE_FLEET__REPLICA_CLIENT_CERT_FILE", "KVROUTE_FLEET__REPLICA_SERVER_NAME"} & set(env)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing: router.tracing
+
+
+TRACING_PROBE = """
+import sys
+from kvroute.router.config import load_settings
+from kvroute.router.tracing import make_tracing
+
+settings = load_settings([])
+assert settings.tracing, "KVROUTE_TRACING did not turn --tracing on"
+tracing = make_tracing(settings.tracing, settings.policy)
+for headers in ({}, {"traceparent": sys.argv[1]}):  # a new trace, then one the client sampled
+    request = tracing.request(headers, "POST /v1/chat/completions")
+    request.route().end()
+    request.end(200)
+tracing.shutdown()
+"""
+
+
+async def test_chart_tracing_turns_on_the_routers_spans_and_their_otlp_export(tmp_path):
+    """router.tracing renders KVROUTE_TRACING and OpenTelemetry's own variables (OTEL_*), which
+    are what configures the export: the router's settings and its tracing (router/tracing.py's
+    make_tracing, in a process given exactly the pod's environment, $(POD_NAME) as the kubelet
+    expands it) export over OTLP/HTTP to the collector named by `endpoint` (a real HTTP server on
+    loopback decoding the protobuf), under `serviceName`, with the pod's name, the namespace and
+    our attributes (percent-encoded by the chart, a comma and '=' inside one) in the resource, and
+    the sampler with its argument: at a ratio of 0 a new trace is dropped and a trace the client
+    sampled is kept (parentbased).  Off by default: no variable at all."""
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
+
+    exported: list[ExportTraceServiceRequest] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        assert request.content_type == "application/x-protobuf"
+        exported.append(ExportTraceServiceRequest.FromString(await request.read()))
+        return web.Response(body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 (the port the OS gave)
+    try:
+        values = tmp_path / "tracing.yaml"
+        values.write_text(yaml.safe_dump({"router": {"tracing": {
+            "enabled": True, "endpoint": f"http://127.0.0.1:{port}", "serviceName": "llm-router",
+            "sampler": "parentbased_traceidratio", "samplerArg": 0,
+            "resourceAttributes": {"deployment.environment": "prod", "team": "ml infra, west=1"}}}}))
+        kinds = helm_template_values(values)
+        container = router_of(kinds)["spec"]["template"]["spec"]["containers"][0]
+        env = env_of(container)
+        assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert (env["KVROUTE_TRACING"], env["OTEL_EXPORTER_OTLP_PROTOCOL"], env["OTEL_TRACES_SAMPLER_ARG"]) == \
+            ("true", "http/protobuf", "0")
+        # the pod's environment as the kubelet gives it (POD_NAME from the downward API)
+        pod_name = "rel-kvroute-router-5d8c9-x2x7q"
+        kubelet = {**container, "env": [{"name": "POD_NAME", "value": pod_name} if e["name"] == "POD_NAME" else e
+                                        for e in container["env"]]}
+        pod_env, _ = expand(kubelet, secret_values(kinds))
+        secret = tmp_path / "registration-secret"  # the mounted registration secret, read at start
+        secret.write_text(REGISTRATION_SECRET)
+        pod_env["KVROUTE_REGISTRATION_SECRET_FILE"] = str(secret)
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("KVROUTE_", "OTEL_"))}
+        client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+        probe = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", TRACING_PROBE, f"00-{client_trace}-00f067aa0ba902b7-01", env=base | pod_env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(probe.communicate(), 60)
+        assert probe.returncode == 0, out.decode()
+    finally:
+        await runner.cleanup()
+    resources = [r for batch in exported for r in batch.resource_spans]
+    spans = [s for r in resources for scope in r.scope_spans for s in scope.spans]
+    assert {s.trace_id.hex() for s in spans} == {client_trace}  # the new trace was not sampled
+    assert sorted(s.name for s in spans) == ["POST /v1/chat/completions", "kvroute.route"]
+    for resource in resources:
+        attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
+        assert attributes["service.name"] == "llm-router"
+        assert (attributes["k8s.pod.name"], attributes["k8s.namespace.name"]) == (pod_name, "llm")
+        assert (attributes["deployment.environment"], attributes["team"]) == ("prod", "ml infra, west=1")
+    # off by default; grpc and the default sampler render as such
+    assert not {k for k in env_of(router_of(by_kind(helm_template()))["spec"]["template"]["spec"]["containers"][0])
+                if k.startswith(("OTEL_", "KVROUTE_TRACING"))}
+    grpc = env_of(router_of(by_kind(helm_template("router.tracing.enabled=true", "router.tracing.protocol=grpc")))
+                  ["spec"]["template"]["spec"]["containers"][0])
+    assert (grpc["OTEL_EXPORTER_OTLP_PROTOCOL"], grpc["OTEL_TRACES_SAMPLER"]) == ("grpc", "parentbased_always_on")
+    assert not {"OTEL_TRACES_SAMPLER_ARG", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME"} & set(grpc)

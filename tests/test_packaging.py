@@ -248,14 +248,30 @@ def read_lock(text: str) -> dict[str, Locked]:
     return entries
 
 
+# the extras the router image carries: Kubernetes discovery (the chart's k8s.selector) and
+# --tracing (the chart's router.tracing), so that a value of the chart never needs another image
+IMAGE_EXTRAS = ("k8s", "otel")
+
+
 def runtime_requirements() -> list:
-    """pyproject.toml's dependencies and the k8s extra's (the router image installs both)."""
+    """pyproject.toml's dependencies and those of IMAGE_EXTRAS (the router image installs them all)."""
     import tomllib
 
     from packaging.requirements import Requirement
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["k8s"]]
+    return [Requirement(r) for r in project["dependencies"]
+            + [r for extra in IMAGE_EXTRAS for r in project["optional-dependencies"][extra]]]
+
+
+def test_make_lock_resolves_the_extras_the_image_carries():
+    """`make lock` passes exactly IMAGE_EXTRAS to uv, so the lock it writes is the one checked here."""
+    import re
+
+    makefile = (REPO / "Makefile").read_text()
+    command = " ".join(makefile.split("\nlock: install\n", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ").split())
+    assert "uv pip compile pyproject.toml" in command
+    assert tuple(re.findall(r"--extra (\S+)", command)) == IMAGE_EXTRAS
 
 
 def extra_requirements(requirement) -> list:

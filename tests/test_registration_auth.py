@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from kvroute.common.registration import names_key, record_key
-from kvroute.common.registration_auth import CLOCK_SKEW_S, read_secret, sign, verify
+from kvroute.common.registration_auth import CLOCK_SKEW_S, read_secrets, sign, verify
 from tests.conftest import free_port
 from tests.router_support import MODEL, TINY_TOKENIZER, ScriptedReplica, running_router, scrape, total
 
@@ -56,12 +56,26 @@ def test_a_signed_entry_verifies_and_every_alteration_does_not():
 def test_the_secret_file_is_read_without_its_newline_and_a_bad_one_is_an_error(tmp_path):
     path = tmp_path / "secret"
     path.write_text("s3cret\n")
-    assert read_secret(None, path) == b"s3cret" and read_secret("inline", None) == b"inline"
-    assert read_secret(None, None) is None
+    assert read_secrets(None, path) == (b"s3cret",) and read_secrets("inline", None) == (b"inline",)
+    assert read_secrets(None, None) == ()
     path.write_text("\n")
     for value, file in ((None, path), ("inline", path), (None, tmp_path / "missing")):
         with pytest.raises(ValueError):
-            read_secret(value, file)
+            read_secrets(value, file)
+
+
+def test_a_file_of_several_secrets_lists_them_in_order_and_any_verifies(tmp_path):
+    """One secret per line (a rotation: the one launchers sign with first, then the previous), blank
+    lines and surrounding space ignored; an entry signed with any of them verifies, with none not."""
+    path = tmp_path / "secret"
+    path.write_text("new-secret\n\n  old-secret \n")
+    assert read_secrets(None, path) == (b"new-secret", b"old-secret")
+    fields = {"url": "http://10.0.0.5:8000", "name": "a", "model": "m"}
+    for key in (b"new-secret", b"old-secret"):
+        signed = sign(fields, "pfx", "a", key, expires_at=time.time() + 15)
+        assert verify(signed, "pfx", "a", read_secrets(None, path), time.time()) is None
+    signed = sign(fields, "pfx", "a", b"a third secret", expires_at=time.time() + 15)
+    assert verify(signed, "pfx", "a", read_secrets(None, path), time.time()) == "bad_signature"
 
 
 # -- the attacks against a real router -----------------------------------------------------------
@@ -181,6 +195,44 @@ async def test_with_a_secret_neither_a_new_nor_an_overwritten_registration_steer
         await redis.aclose()
 
 
+async def test_a_rotation_keeps_every_replica_believed_by_routers_holding_both_secrets(redis_url, redis_prefix, tmp_path):
+    """Rotation without a gap (docs/deploy.md): a router whose secret file holds the new and the old
+    secret still believes a replica whose launcher signs with the old one, while a router with
+    only the new one ignores it (bad_signature); a launcher given both signs with the first line,
+    the new one, which both routers believe and the old secret alone does not verify."""
+    from kvroute.common.registration import list_registrations
+
+    old, new = "the-old-registration-secret", "the-new-registration-secret"
+    files = {}
+    for name, text in (("old", f"{old}\n"), ("both", f"{old}\n{new}\n"), ("new", f"{new}\n"),
+                       ("launcher", f"{new}\n{old}\n")):  # the launcher's: the new first, as in step 2
+        files[name] = tmp_path / name
+        files[name].write_text(text)
+    redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    not_rolled, old_url = start_replica(redis_url, redis_prefix, files["old"], ttl=9.0)
+    rolled, new_url = start_replica(redis_url, redis_prefix, files["launcher"], ttl=9.0)
+    try:
+        async with running_router([], **router_overrides(redis_url, redis_prefix, registration_secret_file=files["both"])) \
+                as both, running_router([], **router_overrides(redis_url, redis_prefix,
+                                                               registration_secret_file=files["new"])) as only_new:
+            await until(lambda: _healthy(both, old_url), "the replica signing with the old secret to join")
+            await until(lambda: _healthy(both, new_url), "the replica signing with the new secret to join")
+            await until(lambda: _healthy(only_new, new_url), "the new-secret router to take the rolled replica")
+            await until(lambda: _rejected(only_new, "bad_signature", 3), "the new-secret router to refuse the old one")
+            assert only_new.fleet.get(old_url) is None
+            assert total(await scrape(both.url), "kvroute_discovery_rejected_total") == 0
+            assert len(await chats(both)) == len(await chats(only_new)) == CHATS
+        listed = dict(await list_registrations(redis, redis_prefix))
+        assert verify(listed[new_url], redis_prefix, new_url, new.encode(), time.time()) is None
+        assert verify(listed[new_url], redis_prefix, new_url, old.encode(), time.time()) == "bad_signature"
+        assert verify(listed[old_url], redis_prefix, old_url, new.encode(), time.time()) == "bad_signature"
+    finally:
+        for proc in (not_rolled, rolled):
+            proc.terminate()
+            proc.communicate(timeout=20)
+        await redis.aclose()
+
+
 async def test_without_a_secret_the_router_warns_and_a_rogue_entry_gets_the_key(redis_url, redis_prefix, caplog):
     """The behaviour kept for fleets without a secret, and what the secret prevents."""
     caplog.set_level(logging.WARNING, logger="kvroute.router.fleet")
@@ -216,18 +268,22 @@ async def test_a_replayed_registration_expires(redis_url, redis_prefix):
 
 
 # vLLM's command line served by the emulated replica: what the vLLM launcher runs, without vLLM
+# (HTTPS too: vLLM's --ssl-* flags are the emulated replica's)
 STAND_IN_VLLM = """
 import argparse, asyncio
 from kvroute.replica.emulated.server import EmulatedReplica, ReplicaConfig
 
 p = argparse.ArgumentParser()
-for flag in ("--served-model-name", "--host", "--port", "--block-size"):
+for flag in ("--served-model-name", "--host", "--port", "--block-size", "--ssl-certfile", "--ssl-keyfile",
+             "--ssl-ca-certs", "--ssl-cert-reqs"):
     p.add_argument(flag)
 args, _ = p.parse_known_args()
 
 async def main():
     config = ReplicaConfig(model=args.served_model_name, host=args.host, port=int(args.port),
-                           block_size=int(args.block_size), time_scale=0)
+                           block_size=int(args.block_size), time_scale=0, ssl_certfile=args.ssl_certfile,
+                           ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+                           ssl_cert_reqs=int(args.ssl_cert_reqs or 0))
     await EmulatedReplica(config).start()
     await asyncio.Event().wait()
 
@@ -235,25 +291,30 @@ asyncio.run(main())
 """
 
 
+def start_vllm_launcher(tmp_path: Path, port: int, redis_url: str, prefix: str, *more: str) -> subprocess.Popen[str]:
+    """`kvroute replica --engine vllm` as users run it, registering in Redis, with ``more`` of its
+    arguments, in front of STAND_IN_VLLM (written to ``tmp_path``) instead of vLLM."""
+    (tmp_path / "stand_in_vllm.py").write_text(STAND_IN_VLLM)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tmp_path), env.get("PYTHONPATH"))))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", "replica", "--engine", "vllm", "--model", MODEL, "--model-path",
+         str(tmp_path), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--vllm-python",
+         sys.executable, "--vllm-entry", "stand_in_vllm", "--redis-url", redis_url, "--redis-key-prefix", prefix,
+         "--startup-timeout", "60", "--drain-timeout", "1", "--drain-grace", "0", *more],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+
+
 async def test_the_vllm_launcher_signs_its_registration(redis_url, redis_prefix, tmp_path):
     """`kvroute replica --engine vllm` (a stand-in vLLM) registers signed: a router with the
     secret believes it, and its hash verifies with the secret and with nothing else."""
     from kvroute.common.registration import list_registrations
 
-    (tmp_path / "stand_in_vllm.py").write_text(STAND_IN_VLLM)
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tmp_path), env.get("PYTHONPATH"))))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "replica", "--engine", "vllm", "--model", MODEL, "--model-path",
-         str(tmp_path), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--vllm-python",
-         sys.executable, "--vllm-entry", "stand_in_vllm", "--redis-url", redis_url, "--redis-key-prefix", redis_prefix,
-         "--registration-secret-file", str(secret_file), "--startup-timeout", "60", "--drain-timeout", "1",
-         "--drain-grace", "0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    proc = start_vllm_launcher(tmp_path, port, redis_url, redis_prefix, "--registration-secret-file", str(secret_file))
     redis = aioredis.Redis.from_url(redis_url)
     try:
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)  # the ready line

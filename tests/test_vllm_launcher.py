@@ -206,3 +206,99 @@ def test_free_ports_picked_before_binding_never_repeat():
     for pick in (launcher_port, test_port):
         ports = [pick() for _ in range(500)]
         assert len(set(ports)) == len(ports)
+
+
+# -- HTTPS: vLLM's --ssl-* flags through the launcher ---------------------------------------------
+
+
+def test_tls_flags_reach_vllm_and_make_the_replica_https() -> None:
+    """--ssl-certfile/--ssl-keyfile (with the client CA and --ssl-cert-reqs) are vLLM's own flags,
+    passed before the extra args; the replica's URL, the one registered, is then https."""
+    cfg = gpu_config(advertise_host="10.1.2.3", ssl_certfile="/tls/tls.crt", ssl_keyfile="/tls/tls.key",
+                     ssl_ca_certs="/tls/ca.crt", ssl_cert_reqs=2, extra_args=("--seed", "7"))
+    cmd = build_command(cfg)
+    assert (flag_value(cmd, "--ssl-certfile"), flag_value(cmd, "--ssl-keyfile")) == ("/tls/tls.crt", "/tls/tls.key")
+    assert (flag_value(cmd, "--ssl-ca-certs"), flag_value(cmd, "--ssl-cert-reqs")) == ("/tls/ca.crt", "2")
+    assert cmd[-2:] == ["--seed", "7"]
+    assert cfg.url == "https://10.1.2.3:8200"
+    server_only = build_command(gpu_config(ssl_certfile="/c", ssl_keyfile="/k"))
+    assert "--ssl-ca-certs" not in server_only and "--ssl-cert-reqs" not in server_only
+    plain = gpu_config(advertise_host="10.1.2.3")
+    assert plain.url == "http://10.1.2.3:8200" and not [a for a in build_command(plain) if a.startswith("--ssl")]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(ssl_certfile="/c"),  # a certificate without its key
+    dict(ssl_keyfile="/k"),
+    dict(ssl_ca_certs="/ca"),  # client CA of a replica that serves plain HTTP
+    dict(ssl_certfile="/c", ssl_keyfile="/k", ssl_cert_reqs=2),  # client certificates, checked against nothing
+    dict(ssl_certfile="/c", ssl_keyfile="/k", ssl_ca_certs="/ca", ssl_cert_reqs=3),
+])
+def test_tls_configs_that_cannot_work_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError, match="ssl"):
+        gpu_config(**bad)
+
+
+def test_cli_refuses_mutual_tls_without_the_launchers_client_certificate(capsys, tmp_path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        replica_main(["--engine", "vllm", "--model", "tiny", "--model-path", str(tmp_path), "--device", "cpu",
+                      "--vllm-python", sys.executable, "--port", "0", "--ssl-certfile", "/c", "--ssl-keyfile", "/k",
+                      "--ssl-ca-certs", "/ca", "--ssl-cert-reqs", "2"])
+    assert exc.value.code == 2 and "--ssl-client-certfile" in capsys.readouterr().err
+
+
+async def test_an_https_vllm_is_checked_over_https_and_registered_with_its_https_url(redis_url, redis_prefix, tmp_path):
+    """`kvroute replica --engine vllm` with a certificate, mutual TLS and a registration, in front of
+    a stand-in vLLM (the emulated replica serving vLLM's flags, HTTPS included): the launcher's
+    health check and /metrics read go over https with its client certificate (it announces the
+    replica only after both), the registration's URL is https, the replica refuses a client
+    without a certificate, and a router that found it through Redis, trusting the CA and holding
+    a client certificate, routes the openai client's chats to it."""
+    import asyncio
+    import ssl
+
+    import aiohttp
+    import redis.asyncio as aioredis
+
+    from kvroute.common.registration import list_registrations
+    from tests.conftest import free_port
+    from tests.router_support import MODEL, openai_client, running_router
+    from tests.test_registration_auth import start_vllm_launcher
+    from tests.tls_support import make_pki
+
+    pki = make_pki(tmp_path)
+    port = free_port()
+    proc = start_vllm_launcher(
+        tmp_path, port, redis_url, redis_prefix, "--ssl-certfile", str(pki.server_cert), "--ssl-keyfile",
+        str(pki.server_key), "--ssl-ca-certs", str(pki.ca), "--ssl-cert-reqs", "2", "--ssl-client-certfile",
+        str(pki.client_cert), "--ssl-client-keyfile", str(pki.client_key))
+    redis = aioredis.Redis.from_url(redis_url)
+    url = f"https://127.0.0.1:{port}"
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)  # after /health and /metrics
+        assert line.startswith(url + " "), (line, proc.poll() is not None and proc.stderr.read())
+        ((name, fields),) = await list_registrations(redis, redis_prefix)
+        assert name == fields["url"] == url
+        # vLLM (the stand-in) got the flags: HTTPS, and a client certificate required
+        trusting = ssl.create_default_context(cafile=str(pki.ca))
+        async with aiohttp.ClientSession() as http:
+            with pytest.raises(aiohttp.ClientError):
+                await http.get(f"{url}/health", ssl=trusting)
+            trusting.load_cert_chain(pki.client_cert, pki.client_key)
+            async with http.get(f"{url}/health", ssl=trusting) as resp:
+                assert resp.status == 200
+        fleet = {"discovery_redis": True, "redis_url": redis_url, "redis_key_prefix": redis_prefix,
+                 "replica_ca_file": pki.ca, "replica_client_cert_file": pki.client_cert,
+                 "replica_client_key_file": pki.client_key, "health_interval_s": 0.2}
+        async with running_router([], fleet=fleet, kv_events=False) as app:
+            deadline = asyncio.get_running_loop().time() + 20
+            while not ((r := app.fleet.get(url)) is not None and r.healthy):
+                assert asyncio.get_running_loop().time() < deadline, "the https replica never became healthy"
+                await asyncio.sleep(0.1)
+            reply = await openai_client(app).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+            assert reply.choices[0].message.content
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+        await redis.aclose()

@@ -66,7 +66,7 @@ class Fleet:
         redis: aioredis.Redis | None = None,  # else created from settings.redis_url when needed
         registry: CollectorRegistry | None = None,  # where discovery counts its errors (the router's)
         follows_events: bool = True,  # False: no KV-event subscriber, every replica is routed on predictions
-        registration_secret: bytes | None = None,  # Redis registrations believed only signed with it
+        registration_secrets: tuple[bytes, ...] = (),  # Redis registrations believed only signed with one
     ):
         self.settings = settings
         self.follows_events = follows_events
@@ -76,7 +76,7 @@ class Fleet:
         self.session = session
         self.index = index
         self._redis = redis  # Redis discovery's client, if the caller has one; else made from settings
-        self._registration_secret = registration_secret
+        self._registration_secrets = registration_secrets
         self._sources: list[DiscoverySource] = []
         self._discovery_metrics = DiscoveryMetrics(registry)
         self._auth_refusals = Counter(
@@ -125,18 +125,18 @@ class Fleet:
         named = {e.url: e.name for e in s.replicas if isinstance(e, ReplicaEntry) and e.name}
         sources: list[DiscoverySource] = [StaticSource((entry_url(e) for e in s.replicas), named)]
         if s.discovery_redis:
-            secret, metrics = self._registration_secret, self._discovery_metrics
+            secrets, metrics = self._registration_secrets, self._discovery_metrics
             if self._redis is not None:
                 sources.append(
-                    RedisSource(self._redis, s.redis_key_prefix, s.discovery_timeout_s, secret=secret, metrics=metrics)
+                    RedisSource(self._redis, s.redis_key_prefix, s.discovery_timeout_s, secrets=secrets, metrics=metrics)
                 )
             elif s.redis_url:
                 sources.append(RedisSource.from_url(
-                    s.redis_url, s.redis_key_prefix, s.discovery_timeout_s, secret=secret, metrics=metrics
+                    s.redis_url, s.redis_key_prefix, s.discovery_timeout_s, secrets=secrets, metrics=metrics
                 ))
             else:
                 raise ValueError("discovery_redis needs redis_url")
-            if self._registration_secret is None:
+            if not self._registration_secrets:
                 log.warning(
                     "Redis discovery without a registration secret: whoever can write to Redis can add a replica "
                     "or redirect one, and receive prompts and the replica API key; set --registration-secret-file "

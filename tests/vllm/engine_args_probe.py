@@ -70,7 +70,10 @@ def probe(argv: list[str]) -> dict:
               "enforce_eager", "distributed_executor_backend", "kv_cache_memory_bytes", "num_gpu_blocks_override")
     out = {"engine_args": {f: plain(getattr(engine, f, "<missing>")) for f in fields},
            "server_args": {f: plain(getattr(args, f, "<missing>")) for f in
-                           ("host", "port", "enable_prompt_tokens_details", "api_key")}}
+                           ("host", "port", "enable_prompt_tokens_details", "api_key")},
+           # the server's TLS (uvicorn's), from the launcher's --ssl-* flags
+           "tls_args": {f: plain(getattr(args, f, "<missing>")) for f in
+                        ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs")}}
     try:  # the whole engine config: model config, cache config, parallel config, device checks
         config = engine.create_engine_config()
         out["engine_config"] = {

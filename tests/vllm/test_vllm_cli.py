@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,10 +55,13 @@ def cases(vllm_python: Path, tiny_model_dir: Path) -> dict[str, dict]:
         events_endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558", api_key="replica-key",
         python=str(vllm_python), extra_args=("--tensor-parallel-size", "2"))
     launcher_argv = server_argv(build_command(launcher))
+    https = replace(launcher, ssl_certfile="/tls/tls.crt", ssl_keyfile="/tls/tls.key", ssl_ca_certs="/tls/ca.crt",
+                    ssl_cert_reqs=2)
     chart_args = build_parser().parse_args(chart_replica_args())
     chart = vllm_config(chart_args, python=str(vllm_python), model_path=str(tiny_model_dir), device=chart_args.device)
     commands = {
         "launcher": {"argv": launcher_argv},
+        "https": {"argv": server_argv(build_command(https))},
         # the chart's --max-model-len 16384 is Qwen2.5-7B's; the tiny model says 8192
         "chart": {"argv": server_argv(build_command(chart)), "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}},
         # what a renamed or dropped flag looks like to vLLM
@@ -91,6 +95,17 @@ def test_the_launchers_gpu_command_line_is_vllms_engine_config(cases):
     assert (config["block_size"], config["enable_prefix_caching"], config["tensor_parallel_size"]) == (16, True, 2)
     assert config["served_model_name"] == "qwen-0.5b" and config["attention_backend"] == "TRITON_ATTN"
     assert config["kv_events_config"] == events
+
+
+def test_the_launchers_tls_flags_are_vllms_own(cases):
+    """`kvroute replica --engine vllm --ssl-certfile ... --ssl-cert-reqs 2` (replica/vllm.py): vLLM's
+    server parser reads each flag as its TLS setting, so a renamed one fails here, not at start."""
+    result = cases["https"]
+    assert "parse_error" not in result, result
+    assert result["tls_args"] == {"ssl_certfile": "/tls/tls.crt", "ssl_keyfile": "/tls/tls.key",
+                                  "ssl_ca_certs": "/tls/ca.crt", "ssl_cert_reqs": 2}
+    assert cases["launcher"]["tls_args"] == {"ssl_certfile": None, "ssl_keyfile": None, "ssl_ca_certs": None,
+                                             "ssl_cert_reqs": 0}
 
 
 def test_the_charts_gpu_values_become_a_command_line_vllm_accepts(cases):

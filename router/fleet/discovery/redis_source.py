@@ -1,7 +1,8 @@
 """Replicas registered in Redis by kvroute's launchers (``kvroute.common.registration``): a registration whose
 TTL lapses (its replica stopped heartbeating) leaves the listing.
 
-With the fleet's registration secret only signed, unexpired registrations are listed
+With the fleet's registration secrets (one, or the new and the previous during a rotation) only
+registrations signed with one of them and unexpired are listed
 (``kvroute.common.registration_auth``; docs/design.md §7.7): any other entry, new or overwritten,
 is ignored, counted at every listing (``kvroute_discovery_rejected_total{reason}``) and logged once
 per entry.  An entry that stops verifying leaves the listing, so the fleet drops its replica and
@@ -34,25 +35,25 @@ class RedisSource(DiscoverySource):
         timeout_s: float,
         *,
         owned: bool = False,
-        secret: bytes | None = None,
+        secrets: tuple[bytes, ...] = (),
         metrics: DiscoveryMetrics | None = None,
     ):
         self._redis = redis
         self._prefix = key_prefix
         self._timeout_s = timeout_s
         self._owned = owned  # created for this source: closed with it
-        self._secret = secret
+        self._secrets = secrets  # none: every registration believed
         self._metrics = metrics if metrics is not None else DiscoveryMetrics()
         self._seen: dict[str, ReplicaRecord] = {}  # last successful listing
         self._rejected: dict[str, tuple[Rejection, str]] = {}  # entries ignored now: (reason, url), logged once
 
     @classmethod
     def from_url(
-        cls, url: str, key_prefix: str, timeout_s: float, *, secret: bytes | None = None,
+        cls, url: str, key_prefix: str, timeout_s: float, *, secrets: tuple[bytes, ...] = (),
         metrics: DiscoveryMetrics | None = None,
     ) -> RedisSource:
         client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        return cls(client, key_prefix, timeout_s, owned=True, secret=secret, metrics=metrics)
+        return cls(client, key_prefix, timeout_s, owned=True, secrets=secrets, metrics=metrics)
 
     async def list(self) -> Listing:
         try:
@@ -68,9 +69,10 @@ class RedisSource(DiscoverySource):
         return dict(self._seen)
 
     def _believed(self, name: str, fields: dict[str, str]) -> ReplicaRecord | None:
-        """The entry's record if it may be believed (no secret configured, or its signature holds)."""
-        if self._secret is not None:
-            reason = verify(fields, self._prefix, name, self._secret, time.time())
+        """The entry's record if it may be believed (no secret configured, or its signature holds
+        with one of them)."""
+        if self._secrets:
+            reason = verify(fields, self._prefix, name, self._secrets, time.time())
             if reason is not None:
                 self._reject(name, reason, fields.get("url", ""))
                 return None

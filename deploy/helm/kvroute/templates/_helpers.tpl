@@ -235,6 +235,99 @@ topologySpreadConstraints:
 configMap csi downwardAPI emptyDir ephemeral persistentVolumeClaim projected secret
 {{- end -}}
 
+{{/* A value of a Secret the chart makes: the one given, else the one the release's Secret already
+holds (lookup, on upgrade), else 32 random characters drawn once per render and kept on the root
+context, so that the Secret and the checksum of the pods reading it (kvroute.secretsChecksum) see
+the same value: an install's checksum then equals the next upgrade's, and only a changed value
+restarts pods.  include with (dict "ctx" $ "secret" NAME "key" KEY "given" VALUE). */}}
+{{- define "kvroute.secretValue" -}}
+{{- $value := .given -}}
+{{- if not $value -}}
+{{- with (lookup "v1" "Secret" .ctx.Release.Namespace .secret) -}}
+{{- $value = index .data $.key | default "" | b64dec -}}
+{{- end -}}
+{{- end -}}
+{{- if not $value -}}
+{{- if not (hasKey .ctx "kvrouteDrawn") }}{{ $_ := set .ctx "kvrouteDrawn" dict }}{{ end -}}
+{{- $drawn := get .ctx "kvrouteDrawn" -}}
+{{- if not (hasKey $drawn .secret) }}{{ $_ := set $drawn .secret (randAlphaNum 32) }}{{ end -}}
+{{- $value = get $drawn .secret -}}
+{{- end -}}
+{{- $value -}}
+{{- end -}}
+
+{{/* The Secrets the chart makes (templates/secret.yaml renders them; empty when not made). */}}
+{{- define "kvroute.secret.auth" -}}
+{{- $a := .Values.auth -}}
+{{- if and (not $a.existingSecret) (include "kvroute.secret.used" .) -}}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ include "kvroute.secret.name" . }}
+  labels:
+    {{- include "kvroute.labels" . | nindent 4 }}
+type: Opaque
+stringData:
+  {{- with $a.apiKeys }}
+  api-keys: {{ join "," . | quote }}
+  {{- end }}
+  {{- with $a.adminToken }}
+  admin-token: {{ . | quote }}
+  {{- end }}
+  {{- with $a.tenantSaltSecret }}
+  tenant-salt-secret: {{ . | quote }}
+  {{- end }}
+  {{- with $a.replicaApiKey }}
+  replica-api-key: {{ . | quote }}
+  {{- end }}
+  {{- with $a.hfToken }}
+  hf-token: {{ . | quote }}
+  {{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.secret.registration" -}}
+{{- if and (include "kvroute.registration.signed" .) (not .Values.registration.existingSecret) -}}
+{{- $name := include "kvroute.registration.secretName" . -}}
+{{- $key := .Values.registration.existingSecretKey -}}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "kvroute.labels" . | nindent 4 }}
+type: Opaque
+data:
+  {{ $key }}: {{ include "kvroute.secretValue" (dict "ctx" . "secret" $name "key" $key "given" .Values.registration.secret) | b64enc | quote }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.secret.redis" -}}
+{{- if and (include "kvroute.redis.auth" .) (not .Values.redis.auth.existingSecret) -}}
+{{- $name := include "kvroute.redis.fullname" . -}}
+{{- $key := .Values.redis.auth.existingSecretKey -}}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "kvroute.componentLabels" (dict "ctx" . "component" "redis") | nindent 4 }}
+type: Opaque
+data:
+  {{ $key }}: {{ include "kvroute.secretValue" (dict "ctx" . "secret" $name "key" $key "given" .Values.redis.auth.password) | b64enc | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/* checksum/secret of a pod template: the sha256 of the Secrets named (auth, registration, redis)
+as the chart renders them, so that a new value restarts the pods that read it at start.  A Secret
+the chart does not make (an existingSecret) is not seen: restart those pods yourself.
+include with (dict "ctx" $ "secrets" (list "auth" "registration")). */}}
+{{- define "kvroute.secretsChecksum" -}}
+{{- $texts := list -}}
+{{- range .secrets }}{{ $texts = append $texts (include (printf "kvroute.secret.%s" .) $.ctx) }}{{ end -}}
+{{- join "\n---\n" $texts | sha256sum -}}
+{{- end -}}
+
 {{/* Whether Redis registrations are signed: registration.signed, and the routers read
 registrations (router.discovery.redis with a Redis).  Routers then believe only signed ones. */}}
 {{- define "kvroute.registration.signed" -}}
