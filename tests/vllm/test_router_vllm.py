@@ -168,8 +168,17 @@ def client_of(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def replica_labels(samples: dict) -> dict[str, str]:
+    """URL -> the ``replica`` label the router's series carry (``kvroute_replica_info``)."""
+    return {dict(labels)["url"]: dict(labels)["replica"] for (name, labels) in samples if name == "kvroute_replica_info"}
+
+
+def label_of(samples: dict, url: str) -> str:
+    return replica_labels(samples).get(url, url)
+
+
 def served_by(before: dict, after: dict) -> str:
-    """The replica whose kvroute_requests_total{status=200} grew between two router scrapes."""
+    """The URL of the replica whose kvroute_requests_total{status=200} grew between two router scrapes."""
     grew = [
         dict(labels)["replica"]
         for (name, labels), value in after.items()
@@ -177,7 +186,8 @@ def served_by(before: dict, after: dict) -> str:
         and value > before.get((name, labels), 0.0)
     ]
     assert len(grew) == 1, grew
-    return grew[0]
+    url_of = {label: url for url, label in replica_labels(after).items()}
+    return url_of[grew[0]]
 
 
 # -- 1. KV events confirm the router's predictions ------------------------------------------------
@@ -251,8 +261,9 @@ async def test_kv_events_confirm_the_blocks_the_router_predicted(
         await wait_for(all_confirmed, 10, "the chain's blocks confirmed by KV events")
         assert await index.lookup(chain) == {chosen: len(chain)}
         applied = await scrape(app.url)
-        assert total(applied, "kvroute_kv_events_applied_total", replica=chosen, type="BlockStored") > \
-            total(before, "kvroute_kv_events_applied_total", replica=chosen, type="BlockStored")
+        label = label_of(applied, chosen)
+        assert total(applied, "kvroute_kv_events_applied_total", replica=label, type="BlockStored") > \
+            total(before, "kvroute_kv_events_applied_total", replica=label, type="BlockStored")
 
     # The engine's own record of the blocks: the same tokens, hence the same router chain.
     replica = next(r for r in vllm_replicas if r.url == chosen)
@@ -290,7 +301,8 @@ async def test_engine_prefix_cache_counters_reconcile_with_delivered_tokens(
         growth = {url: (engines_after[url][0] - q, engines_after[url][1] - h) for url, (q, h) in engines_before.items()}
 
         def router_growth(samples: dict, name: str, url: str) -> float:
-            return total(samples, name, replica=url) - total(router_before, name, replica=url)
+            label = label_of(samples, url)
+            return total(samples, name, replica=label) - total(router_before, name, replica=label)
 
         async def reconciled() -> bool:
             now = await scrape(app.url)
@@ -629,7 +641,8 @@ async def test_replica_restart_clears_its_entries_until_new_requests(
 
             async def blind_noticed() -> bool:
                 seen = await scrape(blind.url)
-                return "restarted" in fleet_events or total(seen, "kvroute_kv_event_restarts_total", replica=name) > 0
+                return "restarted" in fleet_events or total(seen, "kvroute_kv_event_restarts_total",
+                                                         replica=label_of(seen, name)) > 0
 
             await wait_for(blind_noticed, 30, "the blind router to notice the restart")
             noticed = await scrape(blind.url)
@@ -650,7 +663,8 @@ async def test_replica_restart_clears_its_entries_until_new_requests(
     record_figures("restart", {
         "restart_s": round(restart_s, 1),
         "blind_router_fleet_events": fleet_events,
-        "blind_router_event_stream_restarts": total(noticed, "kvroute_kv_event_restarts_total", replica=name),
+        "blind_router_event_stream_restarts": total(noticed, "kvroute_kv_event_restarts_total",
+                                                    replica=label_of(noticed, name)),
     })
 
 
