@@ -14,6 +14,7 @@ from pathlib import Path
 from kvroute.replica.vllm_fleet import (
     BLOCK_SIZE,
     REPO,
+    FleetError,
     LaunchedReplica,
     ReplicaOptions,
     group_members,
@@ -58,10 +59,20 @@ class ReplicaPool:
         return replica
 
     def get(self, key: str, timeout: float = READY_TIMEOUT_S) -> LaunchedReplica:
-        """The replica, once its launcher said it is ready (healthy and registered)."""
-        replica = self.replicas[key]
-        wait_ready(replica, timeout)
-        return replica
+        """The replica, once its launcher said it is ready (healthy and registered).  A replica whose
+        ports, picked free, were taken before vLLM bound them (other processes on a shared machine)
+        is started again on fresh ones, twice at most; any other failure is the test's."""
+        for attempt in range(3):
+            replica = self.replicas[key]
+            try:
+                wait_ready(replica, timeout)
+                return replica
+            except FleetError:
+                log = replica.vllm_log_path.read_text(errors="replace") if replica.vllm_log_path.exists() else ""
+                if attempt == 2 or "Address already in use" not in log:
+                    raise
+                self.spawn(key, replica.options)
+        raise AssertionError("unreachable")
 
     def restart(self, key: str) -> LaunchedReplica:
         """Stop the replica and start a new one on the same ports (a replica restart, as routers see it)."""
