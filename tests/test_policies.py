@@ -437,23 +437,6 @@ def test_cost_model_explores_when_the_new_part_outweighs_the_cached_one() -> Non
     assert policy.choose(most, replicas).replica == "r0"
 
 
-def test_cost_model_sends_a_long_new_prompt_where_it_delays_fewer_running_requests() -> None:
-    # A 16k-token new prompt: r0 has no queue but six requests running (its prefill chunks would
-    # share their steps), r1 a 3k-token queue and one running.  Priced by its own TTFT alone
-    # (+ decode_weight) r0 wins by ~3k tokens; its delay to r0's six is worth more.
-    replicas = [ReplicaState("r0", in_flight=6, rate_sampled_at=0.0),
-                ReplicaState("r1", in_flight=1, queued_prefill_tokens=3000, rate_sampled_at=0.0)]
-    long_new = request(1024)
-    assert CostModelPolicy().choose(long_new, replicas).replica == "r1"
-    assert CostModelPolicy(interference=0).choose(long_new, replicas).replica == "r0"
-    # A short prompt delays nobody for long: r0 as before.
-    assert CostModelPolicy().choose(request(64, first=5000), replicas).replica == "r0"
-    # Before every replica has a rate sample (a cold start, a slow replica not yet known) the
-    # term is off: it would move long prompts onto the replica the fleet knows least about.
-    cold = [replace(replicas[0]), replace(replicas[1], rate_sampled_at=float("-inf"))]
-    assert CostModelPolicy().choose(long_new, cold).replica == "r0"
-
-
 def test_prefix_heat_keeps_sustained_traffic_and_forgets_a_burst() -> None:
     heat = PrefixHeat(tau_s=30.0, max_keys=4)
     for _ in range(10):  # a burst of "a" at t = 0

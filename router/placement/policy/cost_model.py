@@ -22,12 +22,6 @@ For each eligible replica r holding m_r leading blocks of a P-token prompt:
 - ``prefill_rate`` is the median of the eligible replicas' learned rates (unknown ones count as
   ``default_prefill_rate``): short prefills' TTFTs are mostly engine step time, so identical
   replicas learn rates tens of percent apart.  ``per_replica_rates=True`` for unlike hardware.
-- A long new prompt (``uncached_r`` at least half an engine step) delays the requests running on
-  the replica it lands on: its prefill chunks share their engine steps, so their short turns wait.
-  Its cost carries ``interference * uncached_r * decoding_r / mean decoding / 8`` more tokens
-  (rule 7): it goes where it delays fewer, the mirror of ``decode_weight``.  Only once every
-  replica has a rate sample: at a cold start it would move long prompts onto a replica not yet
-  known to be slow.
 - A slow replica, whose learned rate is below the median by more than the noise of identical
   replicas, has its cost multiplied by ``slowness`` = median / rate - ``slow_margin`` (1 when that
   is under 1), fading over ``slow_memory_s`` once it takes no rate samples; for a request with a
@@ -55,12 +49,9 @@ The choice:
 6. Session hint: the session's last replica keeps it while within the in-flight bound and its cost
    is within ``session_ratio * best + session_slack_s`` (the index may not have learnt yet what it
    holds).  At most ``max_sessions`` are remembered (LRU).
-7. Interference: a long new prompt is priced by the running requests it would delay (above).
-   On the routing gate's workloads in the simulator (seeds 0-9) it kept 0.1-0.5 points more reuse
-   on the chat workloads at no TTFT percentile worse (docs/experiments.md, 2026-12-04).
 
-``greedy_ttft`` is this policy with ``behind`` = 0, epsilon = 1, session_epsilon = 0, no
-``keep_tokens`` and no interference: this request's TTFT alone, the default until the fleet was priced.
+``greedy_ttft`` is this policy with ``behind`` = 0, epsilon = 1, session_epsilon = 0 and no
+``keep_tokens``: this request's TTFT alone, the default until the fleet was priced.
 
 Reasons: "cache" (the argmin holds a prefix), "load" (the argmin holds none: least work),
 "balance" (a bound or the starvation rule overrode the unconstrained argmin), "session" (the
@@ -97,7 +88,6 @@ SLOW_MARGIN = 0.5  # a replica counts as slow by (median rate / its rate) - this
 SLOW_MEMORY_S = 60.0  # a slow verdict fades over this time constant once its replica takes no samples
 SLOW_FADED = 0.05  # below this excess a fading verdict is gone: the replica takes sessions again
 SIGNAL_TAU_S = 30.0
-INTERFERENCE = 4.0  # a long new prompt's uncached tokens, times this x its replica's running / the mean, / 8
 MAX_PREFIX_KEYS = 100_000
 
 
@@ -127,7 +117,6 @@ class CostModelPolicy(Policy):
         keep_tokens: int | None = KEEP_TOKENS,
         slow_margin: float | None = SLOW_MARGIN,
         slow_memory_s: float = SLOW_MEMORY_S,
-        interference: float = INTERFERENCE,
         seed: int = 0,
     ):
         """Tunables (defaults in the module constants; why: docs/design.md §5.7, docs/experiments.md):
@@ -155,10 +144,6 @@ class CostModelPolicy(Policy):
             on the turns its session is expected to have left (0.5); None: no replica is slow.
         slow_memory_s: a slow verdict fades with this time constant while its replica takes no
             rate samples, so that traffic probes it again (60 s).
-        interference: price of a long new prompt's delay to the requests running where it lands,
-            ``interference * uncached * decoding_r / mean decoding / 8`` tokens, for ``uncached``
-            of at least half of ``step_token_budget``, once every replica has a rate sample (4);
-            0 disables it.
         starve_window: decisions, in multiples of the fleet size, after which an unchosen
             replica gets the next request (8); 0 disables the rule.
         session_ratio, session_slack_s: how much worse than the best a session's replica may be
@@ -192,8 +177,6 @@ class CostModelPolicy(Policy):
         self.keep_tokens = keep_tokens
         self.slow_margin = slow_margin
         self.slow_memory_s = slow_memory_s
-        self.interference = interference
-        self._decoding_mean = 0.0  # the fleet's mean running requests, set per decision; 0: no interference term
         self.heat = PrefixHeat(signal_tau_s, MAX_PREFIX_KEYS)
         self._decisions = 0
         self._last_pick: dict[str, int] = {}  # replica -> decision number of its last pick
@@ -228,8 +211,6 @@ class CostModelPolicy(Policy):
         decoding = max(r.in_flight, r.running)
         weight = self.own_work_weight * (1.0 + behind)
         work = queued + weight * uncached + self.decode_weight * decoding * steps
-        if self._decoding_mean > 0 and 2 * uncached >= self.step_token_budget:
-            work += self.interference * uncached * decoding / self._decoding_mean / 8.0
         return work / (self.rate_of(r) if rate is None else rate)
 
     def behind(self, req: Query, replicas: Sequence[ReplicaState]) -> float:
@@ -274,9 +255,6 @@ class CostModelPolicy(Policy):
             return self._decided(req, only, "cache" if self.matched_blocks(req, only) else "load")
 
         slow = [1.0] * n
-        self._decoding_mean = 0.0
-        if self.interference > 0 and all(r.rate_sampled_at > -math.inf for r in replicas):
-            self._decoding_mean = max(1.0, sum(max(r.in_flight, r.running) for r in replicas) / n)
         if self.per_replica_rates:
             cost = [self.est_ttft(req, r, behind=behind) for r in replicas]
         else:

@@ -1,6 +1,6 @@
 """The cost model as it was before it priced the fleet (kept to compare against, and for fleets
 where every request's own TTFT is all that matters): argmin of this request's estimated TTFT under
-the same bounds, sessions and starvation rule, with no queued-behind, interference or eviction terms."""
+the same bounds, sessions and starvation rule, with no queued-behind or eviction terms."""
 
 from __future__ import annotations
 
@@ -15,5 +15,4 @@ class GreedyTtftPolicy(CostModelPolicy):
         options.setdefault("epsilon", 1.0)
         options.setdefault("session_epsilon", 0.0)
         options.setdefault("keep_tokens", None)  # the bound applies to every request, as it did
-        options.setdefault("interference", 0.0)  # this request's TTFT alone
         super().__init__(**options)  # type: ignore[arg-type]
