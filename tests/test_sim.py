@@ -227,3 +227,27 @@ def test_reuse_loss_splits_what_the_caches_kept_from_what_the_choice_used(sessio
     # the same run through FleetSim delivers exactly what the audit counted
     plain = run(sessions, "cost_model").simulate()
     assert int((plain.cached_tokens // BS).sum()) == cm["delivered"]
+
+
+def test_gate_sim_attributes_every_lost_block_and_sees_a_variant(tmp_path):
+    """bench/gate_sim.py on a tenth of the gate's conversation workload: every block cost_model
+    loses (available - delivered) is attributed to one cause, and a variant's options reach the
+    policy (`queued_behind` 0, the greedy estimate, places differently)."""
+    from kvroute.bench import gate_sim
+    from kvroute.bench.gate.workloads import WORKLOADS, prepare_workload
+    from kvroute.bench.routing_gate import parse_args as gate_args
+
+    args = gate_args(["--workloads", "conversation", "--seed", "0", "--no-sim", "--requests-scale", "0.25"])
+    prep = prepare_workload(WORKLOADS["conversation"], args, tmp_path, args.profile)
+    lost = gate_sim.misses(prep)
+    run = simulate_policy(prep.sim, make_policy("cost_model"), prep.cfg)
+    missed = run.available[run.replica >= 0] - run.cached_tokens[run.replica >= 0] // run.block_size
+    assert sum(b for b, _ in lost.values()) == int(missed[missed > 0].sum()) > 0
+    assert any(cause.startswith("cost: explore") for cause in lost)
+    out = tmp_path / "g.json"
+    gate_sim.main(["--workloads", "conversation", "--seeds", "0", "--requests-scale", "0.25", "--json", str(out),
+                   "--variant", 'plain=cost_model:{"queued_behind": 0}'])
+    figures = json.loads(out.read_text())["results"]["conversation"]
+    assert set(figures) == {"cost_model", "sglang_cache_aware", "plain"}
+    assert all(0 < f[0]["reuse"] <= 100 for f in figures.values())
+    assert figures["cost_model"] != figures["plain"]
