@@ -203,6 +203,12 @@ class RouterSettings(BaseSettings):
         "queue and its in-flight limit comes down until the lag does (0: the lag is not watched)",
         json_schema_extra=_hint("SECONDS"),
     )
+    queue_when_saturated: bool = Field(
+        False, description="queue requests that find no room while the router's own CPU is saturated (its loop "
+        "lagging, its tokenizer pool backed up) as when only slots are short; off (the default): those are "
+        "answered 429 router_overloaded at once, since a wait there holds the client's connection and an "
+        "open-loop client opens another, work a saturated router has no CPU for (design.md §7.6)"
+    )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict, description="a tenant's share of a saturated router against the others' (default "
         "1); tenants are named key-<first 10 hex of the key's sha256>, user:<user field> or addr:<client address>",

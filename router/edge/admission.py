@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
 from collections.abc import Iterable, Mapping
 
 from aiohttp import web
@@ -21,7 +22,7 @@ from kvroute.common.tokens.tokenizer import pool_backlog
 
 from kvroute.router.edge.forwarded import ClientAddress
 from kvroute.router.edge.overload.queue import AdmissionQueue, overloaded
-from kvroute.router.edge.overload.saturation import Saturation
+from kvroute.router.edge.overload.saturation import Saturation, accept_backlog
 from kvroute.router.edge.overload.tenants import PRIORITY_HEADER, Priority, body_fields, header_priority, priority_of, tenant_of
 from kvroute.router.metrics import RouterMetrics
 
@@ -57,6 +58,7 @@ class Admission:
         max_queue_wait_s: float = 0.0,
         max_queue_length: int = 1024,
         saturated_loop_lag_s: float = 0.0,
+        queue_when_saturated: bool = False,
         tenant_weights: Mapping[str, float] | None = None,
         client_address: ClientAddress | None = None,
     ):
@@ -70,6 +72,7 @@ class Admission:
         self._idle = asyncio.Event()
         self.client_address = client_address or ClientAddress()
         self.queueing = max_queue_wait_s > 0
+        self.queue_when_saturated = queue_when_saturated
         self.saturation = Saturation(
             max_in_flight=max_in_flight, max_loop_lag_s=saturated_loop_lag_s if self.queueing else 0.0,
             in_flight=lambda: self.in_flight, queued=lambda: len(self.queue), pool_backlog=pool_backlog,
@@ -83,8 +86,11 @@ class Admission:
         self.queue.add_condition(self._below_limit)
         metrics.overload.limit.set(max_in_flight)
 
-    def start(self) -> None:
-        """Watch the loop's lag and the tokenizer pool (with a queue: without one nothing waits for them)."""
+    def start(self, listeners: list[socket.socket] | None = None) -> None:
+        """Watch the loop's lag, the tokenizer pool and the accept queue of the ``listeners`` (with a
+        queue: without one nothing waits for them)."""
+        sockets = list(listeners or [])
+        self.saturation.accept_backlog = lambda: accept_backlog(sockets)
         if self.queueing:
             self.saturation.start()
 
@@ -135,6 +141,11 @@ class Admission:
             self.metrics.overload.shed("no_queue", header or Priority.NORMAL)
             raise overloaded(f"the router has {self.in_flight} requests in flight, its limit; retry shortly",
                              self.retry_after_s)
+        if not self.queue_when_saturated and self.saturation.saturated():
+            # short of CPU, not of slots: a wait would hold this connection and bring another (the rule above)
+            self.metrics.overload.shed("saturated", header or Priority.NORMAL)
+            raise overloaded("the router is saturated (its CPU: the event loop lags, or the tokenizer pool is "
+                             f"backed up) with {self.in_flight} requests in flight; retry shortly", self.retry_after_s)
         fields = body_fields(body)
         address = self.client_address.of(request) if request is not None else None
         await self.queue.wait(tenant_of(api_key, fields, address), priority_of(header, fields))
