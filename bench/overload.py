@@ -9,7 +9,7 @@ two tenants (two API keys), the heavy one at ``--heavy-ratio`` times the light o
 configuration runs its own router over the same replicas (all pinned alike, one loaded at a time),
 each step on each in turn, side by side: by default the router as it is and with
 ``--max-queue-wait-s 0`` (no queue: the 429 at ``--max-in-flight`` of before).  Per step and tenant:
-offered, served and shed req/s, p50/p99 latency of served requests (from the scheduled send time, so
+offered, served and shed req/s, p50/p99 latency of served requests and of 429s (from the scheduled send time, so
 a client that falls behind counts), the router's p99 queue wait (its histogram, both tenants, every
 admitted request: the smallest bucket bound holding 99%), and how late the load itself sent (p99: where this client is short
 of CPU, part of the latency is its own).
@@ -99,14 +99,18 @@ class TenantStep:
     latencies: list[float] = field(default_factory=list)  # served (200), from the scheduled time
     late: list[float] = field(default_factory=list)  # how late this client sent each request (its own lag)
     shed: int = 0  # 429
+    shed_latencies: list[float] = field(default_factory=list)  # 429s, from the scheduled time
     failed: int = 0  # anything else
 
     def summary(self, duration_s: float) -> dict:
         lat = sorted(self.latencies)
         q = (lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 1) if lat else None)
         late = sorted(self.late)
+        shed = sorted(self.shed_latencies)
         return {"offered_rps": round(self.offered, 1), "served_rps": round(len(lat) / duration_s, 1),
                 "shed_rps": round(self.shed / duration_s, 1), "failed": self.failed, "p50_ms": q(0.5), "p99_ms": q(0.99),
+                "shed_p50_ms": round(shed[len(shed) // 2] * 1000, 1) if shed else None,
+                "shed_p99_ms": round(shed[min(len(shed) - 1, int(0.99 * len(shed)))] * 1000, 1) if shed else None,
                 "client_late_p99_ms": round(late[int(0.99 * (len(late) - 1))] * 1000, 1) if late else None}
 
 
@@ -149,6 +153,7 @@ async def open_loop(port: int, rates: dict[str, float], duration_s: float, seed:
             step.latencies.append(time.perf_counter() - at)
         elif status == 429:
             step.shed += 1
+            step.shed_latencies.append(time.perf_counter() - at)
         else:
             step.failed += 1
 
@@ -260,13 +265,14 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 HEADER = (f"{'config':>8} {'load':>5} {'tenant':>6} {'offered':>8} {'served':>8} {'shed':>8} "
-          f"{'p50 ms':>8} {'p99 ms':>8} {'wait p99':>9} {'late p99':>9}")
+          f"{'p50 ms':>8} {'p99 ms':>8} {'shed p50':>9} {'shed p99':>9} {'wait p99':>9} {'late p99':>9}")
 
 
 def table_row(row: dict) -> str:
     fmt = (lambda v: "-" if v is None else f"{v:.0f}")
     return (f"{row['config']:>8} {row['multiple']:>4}x {row['tenant']:>6} {row['offered_rps']:>8.0f} {row['served_rps']:>8.0f} "
-            f"{row['shed_rps']:>8.0f} {fmt(row['p50_ms']):>8} {fmt(row['p99_ms']):>8} {fmt(row['queue_wait_p99_ms']):>9} "
+            f"{row['shed_rps']:>8.0f} {fmt(row['p50_ms']):>8} {fmt(row['p99_ms']):>8} {fmt(row['shed_p50_ms']):>9} "
+            f"{fmt(row['shed_p99_ms']):>9} {fmt(row['queue_wait_p99_ms']):>9} "
             f"{fmt(row['client_late_p99_ms']):>9}")
 
 

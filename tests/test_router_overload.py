@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import logging
+import shutil
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ from kvroute.router.edge.admission import Admission
 from kvroute.router.edge.overload.fair_queue import FairQueue, Queued
 from kvroute.router.main import main
 from kvroute.router.metrics import RouterMetrics
-from tests.router_support import MODEL, ScriptedReplica, openai_client, running_router, sample, scrape
+from tests.router_support import MODEL, RouterProcess, ScriptedReplica, openai_client, running_router, sample, scrape
 
 MSGS = [{"role": "user", "content": "Hello there"}]
 MARGIN_S = 1.0  # scheduling on a loaded machine
@@ -291,3 +292,114 @@ async def test_a_backed_up_tokenizer_pool_lowers_the_admission_limit():
                 await asyncio.sleep(0.01)
     finally:
         admission.stop()
+
+
+class InstantReplica(ScriptedReplica):
+    """Answers every chat at once with a fixed completion, its body read but not parsed: the replica
+    costs the test's core little, so the router's core is the one that runs out."""
+
+    ANSWER = json.dumps({
+        "id": "c", "object": "chat.completion", "created": 0, "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }).encode()  # fmt: skip
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(body=self.ANSWER, content_type="application/json")
+
+
+class RawClient:
+    """Keep-alive HTTP/1.1 connections to the router, one request each at a time (an idle one
+    reused, else a new one, as a pooled client under load does): each answer's status, its time
+    from the send, and the body of a 429."""
+
+    def __init__(self, port: int, head: bytes, body: bytes):
+        self.port, self.head, self.body, self.sent = port, head, body, 0
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def send(self) -> tuple[int, float, bytes]:
+        sent = time.perf_counter()
+        try:
+            reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
+            self.sent += 1  # each its own prompt (a number in front): none of it in the router's token cache
+            body = b'%s%08d%s' % (self.body[:self.body.index(b"@")], self.sent, self.body[self.body.index(b"@") + 1:])
+            writer.write(self.head % len(body) + body)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            body = await reader.readexactly(length)
+        except (OSError, asyncio.IncompleteReadError):
+            return 0, time.perf_counter() - sent, b""
+        if b"connection: close" not in head.lower():
+            self.idle.append((reader, writer))
+        return int(head.split(None, 2)[1]), time.perf_counter() - sent, body
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+
+
+async def test_a_router_saturated_at_twice_its_capacity_serves_at_an_even_pace_and_refuses_fast():
+    """A one-worker router (pinned to one core where taskset exists; the test's client and replica
+    on the other) offered twice what it serves, in chats of 4 KB that its tokenizer must encode:
+    short of CPU, it refuses the excess at once rather than queueing it (design.md §7.6), so its
+    served requests keep p99 within 3x their p50 (plus a margin for a loaded machine) and under the
+    budget, and every 429 comes in well under the budget.  With --queue-when-saturated (the queue
+    of before) the excess waits the budget out: 429s after ~2 s, served requests after up to 2 s."""
+    budget = 2.0
+    content = "@ " + " ".join(f"word{i * 7 % 997} w{i}" for i in range(400))[:4096]
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    pinned = bool(shutil.which("taskset")) and (os.cpu_count() or 1) >= 2
+    mine = os.sched_getaffinity(0)
+    async with InstantReplica() as rep:
+        router = await RouterProcess.start([rep.url], "--max-queue-wait-s", str(budget), "--no-access-log",
+                                           *os.environ.get("KVROUTE_TEST_ROUTER_ARGS", "").split(),
+                                           prefix=["taskset", "-c", "0"] if pinned else ())
+        if pinned:
+            os.sched_setaffinity(0, {1})
+        client = RawClient(router.port, head, body)
+        try:
+            async def closed_loop(seconds: float, connections: int = 128) -> float:
+                stop, statuses = time.perf_counter() + seconds, []
+
+                async def one() -> None:
+                    while time.perf_counter() < stop:
+                        statuses.append((await client.send())[0])
+
+                started = time.perf_counter()
+                await asyncio.gather(*(one() for _ in range(connections)))
+                return statuses.count(200) / (time.perf_counter() - started)
+
+            await closed_loop(1.0)  # warm-up: connections, the tokenizer's threads
+            capacity = max([await closed_loop(1.5), await closed_loop(1.5)])  # a busy machine's dips aside
+            await asyncio.sleep(0.5)
+            rate, duration = 2 * capacity, 4.0
+            start = time.perf_counter() + 0.05
+
+            async def at(t: float) -> tuple[int, float, bytes]:
+                await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+                return await client.send()
+
+            results = await asyncio.gather(*(at(i / rate) for i in range(int(rate * duration))))
+        finally:
+            os.sched_setaffinity(0, mine)
+            client.close()
+            await router.stop()
+
+    served = sorted(elapsed for status, elapsed, _ in results if status == 200)
+    refused = sorted(elapsed for status, elapsed, _ in results if status == 429)
+    q = (lambda xs, p: round(xs[min(len(xs) - 1, int(p * len(xs)))] * 1000) if xs else None)
+    print(f"capacity {capacity:.0f} req/s, offered {rate:.0f}: served {len(served)} p50 {q(served, 0.5)} ms "
+          f"p99 {q(served, 0.99)} ms; refused {len(refused)} p50 {q(refused, 0.5)} ms p99 {q(refused, 0.99)} ms; "
+          f"other {len(results) - len(served) - len(refused)}")
+    p50 = served[len(served) // 2]
+    assert len(served) + len(refused) == len(results)  # no connection dropped, no 5xx
+    assert len(refused) > len(results) // 5  # saturated: the excess refused
+    for status, _, answer in results:
+        if status == 429:
+            error = json.loads(answer)["error"]
+            assert error["code"] == "router_overloaded" and set(error) == {"message", "type", "param", "code"}
+    assert p99(refused) <= budget / 2  # refused fast: well under the budget
+    assert p99(served) <= budget  # no served request waited past it
+    assert p99(served) <= 3 * p50 + 0.3, (p50, p99(served))
