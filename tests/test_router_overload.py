@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
+from kvroute.common.errors import ApiError
 from kvroute.router.config import load_settings
 from kvroute.router.edge.admission import Admission
 from kvroute.router.edge.overload.fair_queue import FairQueue, Queued
@@ -246,10 +247,12 @@ def test_weights_share_the_queue_and_an_idle_tenant_starts_even():
 
 async def test_a_lagging_loop_lowers_the_admission_limit_then_the_queue_drains_as_it_recovers():
     """The real Admission on this loop: a turn blocked for 0.3 s (a saturated router's long turn)
-    brings the limit under what is in flight, so a new request queues though max_in_flight has room;
-    once the lag is gone the limit climbs back and the request is admitted, nothing released."""
+    brings the limit under what is in flight, so a new request queues though max_in_flight has room
+    (with --queue-when-saturated; by default it is refused at once, the next test); once the lag is
+    gone the limit climbs back and the request is admitted, nothing released."""
     admission = Admission(client_keys=[], admin_token=None, max_in_flight=400, retry_after_s=1,
-                          metrics=RouterMetrics("cost_model"), max_queue_wait_s=5.0, saturated_loop_lag_s=0.05)
+                          metrics=RouterMetrics("cost_model"), max_queue_wait_s=5.0, saturated_loop_lag_s=0.05,
+                          queue_when_saturated=True)
     admission.start()
     try:
         for _ in range(100):
@@ -266,6 +269,30 @@ async def test_a_lagging_loop_lowers_the_admission_limit_then_the_queue_drains_a
         async with asyncio.timeout(5):
             await late  # the limit climbed back over 100
         assert admission.in_flight == 101 and admission.saturation.lag_s < 0.05
+    finally:
+        admission.stop()
+
+
+async def test_a_saturated_router_refuses_at_once_what_finds_no_room():
+    """By default a request that finds no room while the router's own CPU is saturated (here its
+    loop lags) is answered 429 at once, reason ``saturated``, rather than queued (design.md §7.6)."""
+    metrics = RouterMetrics("cost_model")
+    admission = Admission(client_keys=[], admin_token=None, max_in_flight=400, retry_after_s=1,
+                          metrics=metrics, max_queue_wait_s=5.0, saturated_loop_lag_s=0.05)
+    admission.start()
+    try:
+        for _ in range(100):
+            await admission.admit()
+        time.sleep(0.3)  # blocks the loop: the next tick runs 0.3 s late
+        async with asyncio.timeout(5):
+            while admission.limit() >= 100:
+                await asyncio.sleep(0.01)
+        started = time.perf_counter()
+        with pytest.raises(ApiError) as refused:
+            await admission.admit()
+        assert time.perf_counter() - started < 0.05 and not len(admission.queue)
+        assert refused.value.status == 429 and refused.value.code == "router_overloaded"
+        assert metrics.overload.shed_requests.labels("saturated", "normal")._value.get() == 1
     finally:
         admission.stop()
 
