@@ -150,6 +150,7 @@ class RouterApp:
             max_queue_length=s.max_queue_length,
             saturated_loop_lag_s=s.saturated_loop_lag_s,
             queue_when_saturated=s.queue_when_saturated,
+            stale_request_s=s.stale_request_s,
             tenant_weights=s.tenant_weights,
             client_address=self.client_address,
         )

@@ -209,6 +209,12 @@ class RouterSettings(BaseSettings):
         "answered 429 router_overloaded at once, since a wait there holds the client's connection and an "
         "open-loop client opens another, work a saturated router has no CPU for (design.md §7.6)"
     )
+    stale_request_s: float = Field(
+        0.25, ge=0, description="a request the router reads this long after its last byte reached the kernel (it "
+        "waited in the accept queue or its socket's buffer: TCP_INFO) is answered 429 router_overloaded at once "
+        "and the router counts itself saturated; serving it would be late (0: not checked; with a queue only)",
+        json_schema_extra=_hint("SECONDS"),
+    )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict, description="a tenant's share of a saturated router against the others' (default "
         "1); tenants are named key-<first 10 hex of the key's sha256>, user:<user field> or addr:<client address>",

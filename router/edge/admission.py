@@ -22,7 +22,7 @@ from kvroute.common.tokens.tokenizer import pool_backlog
 
 from kvroute.router.edge.forwarded import ClientAddress
 from kvroute.router.edge.overload.queue import AdmissionQueue, overloaded
-from kvroute.router.edge.overload.saturation import Saturation, accept_backlog
+from kvroute.router.edge.overload.saturation import STALE_S, Saturation, accept_backlog, kernel_age_s
 from kvroute.router.edge.overload.tenants import PRIORITY_HEADER, Priority, body_fields, header_priority, priority_of, tenant_of
 from kvroute.router.metrics import RouterMetrics
 
@@ -59,6 +59,7 @@ class Admission:
         max_queue_length: int = 1024,
         saturated_loop_lag_s: float = 0.0,
         queue_when_saturated: bool = False,
+        stale_request_s: float = STALE_S,
         tenant_weights: Mapping[str, float] | None = None,
         client_address: ClientAddress | None = None,
     ):
@@ -73,6 +74,7 @@ class Admission:
         self.client_address = client_address or ClientAddress()
         self.queueing = max_queue_wait_s > 0
         self.queue_when_saturated = queue_when_saturated
+        self.stale_request_s = stale_request_s
         self.saturation = Saturation(
             max_in_flight=max_in_flight, max_loop_lag_s=saturated_loop_lag_s if self.queueing else 0.0,
             in_flight=lambda: self.in_flight, queued=lambda: len(self.queue), pool_backlog=pool_backlog,
@@ -133,6 +135,13 @@ class Admission:
         """One more request in flight: at once when there is room and nobody waits, else after its
         turn in the queue; a 429 ``router_overloaded`` when its wait would pass the budget."""
         header = header_priority(request.headers.get(PRIORITY_HEADER)) if request is not None else None
+        if self.queueing and self.stale_request_s > 0 and request is not None and request.transport is not None:
+            waited = kernel_age_s(request.transport.get_extra_info("socket"))
+            if waited > self.stale_request_s:  # it waited for the router to reach it
+                self.saturation.saw_stale()
+                self.metrics.overload.shed("stale", header or Priority.NORMAL)
+                raise overloaded(f"the router is saturated: this request waited {waited:.2f} s for it to be read; "
+                                 "retry shortly", self.retry_after_s)
         if not len(self.queue) and self.queue.has_room():
             self._take()
             self.metrics.overload.queue_wait.observe(0.0)  # the histogram counts every admitted request

@@ -24,6 +24,10 @@ experiments.md, 2026-12-04, the accept backlog): at 2x its capacity a one-worker
 under 50 ms, served nearly all it was offered, and every request waited 3-8 s in that queue (and
 past its 4,096 the kernel dropped SYNs, retransmitted 1, 3, 7 s later).  Linux reports the queue's
 length for a listening socket in ``TCP_INFO`` (``tcpi_unacked``; ``tcpi_sacked`` is its bound).
+Past the accept queue a request may still wait in its socket's buffer; ``TCP_INFO`` of the
+connection tells how long ago its last byte came (:func:`kernel_age_s`): admission refuses a
+request that waited over ``--stale-request-s`` (``STALE_S``) so (serving it would be late; answering it costs little) and
+counts the router saturated for two ticks, as CoDel judges a queue by the time spent in it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,19 @@ INCREASE = 0.1
 DRAIN_WINDOW_S = 1.0
 MIN_DRAIN_SAMPLES = 8
 ACCEPT_BACKLOG = 64  # connections waiting to be accepted: more, on two ticks in a row, is saturation
+STALE_S = float(__import__("os").environ.get("XSTALE", 0.25))  # a request whose last byte reached the kernel longer ago than this when admission sees it is stale
+
+
+def kernel_age_s(sock: socket.socket | None) -> float:
+    """How long ago the kernel received the last byte from this connection (``TCP_INFO``'s
+    ``tcpi_last_data_recv``, ms): for a request whose bytes came at once, the time it waited for
+    the router to reach it (in the accept queue, in the socket's buffer); 0 where it cannot be read."""
+    if sock is None:
+        return 0.0
+    try:
+        return struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64), 52)[0] / 1000
+    except (OSError, AttributeError, struct.error):
+        return 0.0
 
 
 def accept_backlog(sockets: list[socket.socket]) -> int:
@@ -86,6 +103,7 @@ class Saturation:
         self.accept_backlog = accept_backlog  # set by Admission.start: the listening sockets
         self.backlog = 0  # connections waiting to be accepted, the last tick
         self._backlogged = 0  # ticks in a row with more than ACCEPT_BACKLOG
+        self.stale_ticks = 0  # ticks left during which a stale request seen counts as saturation
         self._handle: asyncio.TimerHandle | None = None
         self._last = 0.0
         self._finished_then = 0
@@ -101,7 +119,12 @@ class Saturation:
 
     def saturated(self) -> bool:
         lagging = self.max_loop_lag_s > 0 and self.lag_s > self.max_loop_lag_s
-        return lagging or self._backlogged >= 2 or self._pool_backlog() > self._max_backlog
+        stale = self.stale_ticks > 0
+        return lagging or stale or self._backlogged >= 2 or self._pool_backlog() > self._max_backlog
+
+    def saw_stale(self) -> None:
+        """A request reached admission stale (``STALE_S`` after its last byte): saturated for 2 ticks."""
+        self.stale_ticks = 2
 
     def _tick(self) -> None:
         now = time.perf_counter()
@@ -110,6 +133,8 @@ class Saturation:
         self._last = now
         self.backlog = self.accept_backlog()
         self._backlogged = self._backlogged + 1 if self.backlog > ACCEPT_BACKLOG else 0
+        saturated = self.saturated()
+        self.stale_ticks = max(0, self.stale_ticks - 1)
         finished, self._finished_then = self.finished - self._finished_then, self.finished
         if self._queued():  # the drain rate is only worth knowing while requests wait
             self._drained.append((now, elapsed, finished))
@@ -118,7 +143,7 @@ class Saturation:
         done = sum(n for _, _, n in self._drained)
         span = sum(dt for _, dt, _ in self._drained)
         self.drain_rate = done / span if done >= MIN_DRAIN_SAMPLES and span > 0 else None
-        if self.saturated():
+        if saturated:
             self.limit = max(float(MIN_LIMIT), min(self.limit, self._in_flight()) * DECREASE)
         else:
             self.limit = min(float(self.max_in_flight), self.limit + max(2.0, self.limit * INCREASE))
