@@ -121,7 +121,8 @@ async def test_saturated_router_serves_within_the_budget_and_refuses_with_429_ne
     assert sample(samples, "kvroute_queue_wait_seconds_bucket", le="0.001") < admitted  # some waited
     assert sample(samples, "kvroute_queue_wait_seconds_bucket", le="0.75") == admitted
     shed = {reason: sum(sample(samples, "kvroute_shed_requests_total", reason=reason, priority=p)
-                        for p in ("high", "normal", "low")) for reason in ("over_budget", "displaced", "timeout")}
+                        for p in ("high", "normal", "low"))
+            for reason in ("over_budget", "displaced", "timeout", "saturated", "stale")}
     assert sum(shed.values()) == len(refused), shed
 
 
@@ -432,3 +433,36 @@ async def test_a_router_saturated_at_twice_its_capacity_serves_at_an_even_pace_a
     assert p99(refused) <= budget  # refused within the budget (mostly at once)
     assert p99(served) <= budget  # no served request waited past it (before: 3.6-6.5 s)
     assert p99(served) <= 3 * p50 + 1.0, (p50, p99(served))
+
+
+async def test_a_request_that_waited_in_the_kernel_is_refused_but_a_pipelined_one_is_not():
+    """A request whose bytes waited over --stale-request-s in the kernel before the router read them
+    (here the loop blocked 0.4 s: a router short of CPU) is refused at once, reason ``stale``; a
+    request pipelined behind a slow one waited in the router, not in the kernel, and is served."""
+    def chat_bytes(content: str) -> bytes:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]}).encode()
+        return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body)) + body
+
+    async def answer(reader: asyncio.StreamReader) -> tuple[int, dict]:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        return int(head.split(None, 2)[1]), json.loads(await reader.readexactly(length))
+
+    async with PacedReplica(delay_s=0.05, slow={"slow": 0.6}) as rep, \
+            running_router([rep.url], max_queue_wait_s=1.0, stale_request_s=0.25) as app:
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+        writer.write(chat_bytes("fresh"))
+        assert (await answer(reader))[0] == 200
+        writer.write(chat_bytes("late"))
+        await writer.drain()
+        time.sleep(0.4)  # the loop blocked: the request's bytes wait in the kernel
+        status, error = await answer(reader)
+        assert status == 429 and error["error"]["code"] == "router_overloaded" and "waited" in error["error"]["message"]
+        writer.write(chat_bytes("slow") + chat_bytes("pipelined"))  # the second read with the first
+        answers = [await answer(reader), await answer(reader)]
+        assert [a[0] for a in answers] == [200, 200], answers
+        assert rep.order[-2:] == ["slow", "pipelined"]
+        samples = await scrape(app.url)
+        writer.close()
+    assert sample(samples, "kvroute_shed_requests_total", reason="stale", priority="normal") == 1

@@ -22,7 +22,7 @@ from kvroute.common.tokens.tokenizer import pool_backlog
 
 from kvroute.router.edge.forwarded import ClientAddress
 from kvroute.router.edge.overload.queue import AdmissionQueue, overloaded
-from kvroute.router.edge.overload.saturation import STALE_S, Saturation, accept_backlog, kernel_age_s
+from kvroute.router.edge.overload.saturation import STALE_S, Saturation, accept_backlog, kernel_wait_s
 from kvroute.router.edge.overload.tenants import PRIORITY_HEADER, Priority, body_fields, header_priority, priority_of, tenant_of
 from kvroute.router.metrics import RouterMetrics
 
@@ -136,11 +136,13 @@ class Admission:
         turn in the queue; a 429 ``router_overloaded`` when its wait would pass the budget."""
         header = header_priority(request.headers.get(PRIORITY_HEADER)) if request is not None else None
         if self.queueing and self.stale_request_s > 0 and request is not None and request.transport is not None:
-            waited = kernel_age_s(request.transport.get_extra_info("socket"))
-            if waited > self.stale_request_s:  # it waited for the router to reach it
+            protocol = request.protocol  # server.py's ClientHandler: when it read, when it was ready to
+            waited = kernel_wait_s(request.transport.get_extra_info("socket"), getattr(protocol, "heard_at", 0.0),
+                                   getattr(protocol, "ready_at", 0.0))
+            if waited > self.stale_request_s:  # it waited in the kernel for the router to read it
                 self.saturation.saw_stale()
                 self.metrics.overload.shed("stale", header or Priority.NORMAL)
-                raise overloaded(f"the router is saturated: this request waited {waited:.2f} s for it to be read; "
+                raise overloaded(f"the router is saturated: this request waited {waited:.2f} s before it was read; "
                                  "retry shortly", self.retry_after_s)
         if not len(self.queue) and self.queue.has_room():
             self._take()

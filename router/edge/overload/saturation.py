@@ -25,8 +25,9 @@ under 50 ms, served nearly all it was offered, and every request waited 3-8 s in
 past its 4,096 the kernel dropped SYNs, retransmitted 1, 3, 7 s later).  Linux reports the queue's
 length for a listening socket in ``TCP_INFO`` (``tcpi_unacked``; ``tcpi_sacked`` is its bound).
 Past the accept queue a request may still wait in its socket's buffer; ``TCP_INFO`` of the
-connection tells how long ago its last byte came (:func:`kernel_age_s`): admission refuses a
-request that waited over ``--stale-request-s`` (``STALE_S``) so (serving it would be late; answering it costs little) and
+connection tells how long ago its last bytes came, and so how long they waited before the router
+read them (:func:`kernel_wait_s`): admission refuses a request that waited over
+``--stale-request-s`` (``STALE_S``) there (serving it would be late; answering it costs little) and
 counts the router saturated for two ticks, as CoDel judges a queue by the time spent in it.
 """
 
@@ -51,16 +52,20 @@ ACCEPT_BACKLOG = 64  # connections waiting to be accepted: more, on two ticks in
 STALE_S = float(__import__("os").environ.get("XSTALE", 0.25))  # a request whose last byte reached the kernel longer ago than this when admission sees it is stale
 
 
-def kernel_age_s(sock: socket.socket | None) -> float:
-    """How long ago the kernel received the last byte from this connection (``TCP_INFO``'s
-    ``tcpi_last_data_recv``, ms): for a request whose bytes came at once, the time it waited for
-    the router to reach it (in the accept queue, in the socket's buffer); 0 where it cannot be read."""
-    if sock is None:
+def kernel_wait_s(sock: socket.socket | None, read_at: float, ready_at: float = 0.0) -> float:
+    """How long the last bytes of this connection waited in the kernel for a router that would have
+    read them: from when the kernel received them (``TCP_INFO``'s ``tcpi_last_data_recv``, ms ago)
+    or, if later, ``ready_at`` (the end of the connection's previous answer: aiohttp reads no
+    further request before it, so a pipelined request waits for the one before it, not for a busy
+    router) to ``read_at`` (both ``time.monotonic()``); 0 where it cannot be read.  For a request
+    whose bytes came at once, the time it waited in the accept queue and its socket's buffer."""
+    if sock is None or read_at <= 0:
         return 0.0
     try:
-        return struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64), 52)[0] / 1000
+        since_kernel = struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64), 52)[0] / 1000
     except (OSError, AttributeError, struct.error):
         return 0.0
+    return read_at - max(time.monotonic() - since_kernel, ready_at)
 
 
 def accept_backlog(sockets: list[socket.socket]) -> int:
