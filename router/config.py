@@ -210,8 +210,8 @@ class RouterSettings(BaseSettings):
         "open-loop client opens another, work a saturated router has no CPU for (design.md §7.6)"
     )
     stale_request_s: float = Field(
-        0.25, ge=0, description="a request the router reads this long after its last byte reached the kernel (it "
-        "waited in the accept queue or its socket's buffer: TCP_INFO) is answered 429 router_overloaded at once "
+        0.25, ge=0, description="a request whose bytes waited this long in the kernel before the router read them "
+        "(in the accept queue or its socket's buffer: TCP_INFO) is answered 429 router_overloaded at once "
         "and the router counts itself saturated; serving it would be late (0: not checked; with a queue only)",
         json_schema_extra=_hint("SECONDS"),
     )
