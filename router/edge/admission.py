@@ -2,7 +2,11 @@
 runs when there is room (in flight below the limit), else waits in the admission queue, in fair
 order across tenants and priority classes, at most ``max_queue_wait_s`` before a 429 with
 Retry-After (router/edge/overload/: the queue, the fair order, the saturation that lowers the limit;
-design.md §7.6).  With ``max_queue_wait_s`` 0 there is no queue: a 429 at ``max_in_flight``.  A
+design.md §7.6).  Short of CPU rather than of slots (saturation.py: the loop lags, the tokenizer pool
+or the accept queue is backed up, a stale request was seen) a request that finds no room is refused
+at once, and one whose bytes waited over ``stale_request_s`` in the kernel always is: a wait would
+hold its connection and bring another, serving it would be late.  With ``max_queue_wait_s`` 0 there
+is no queue: a 429 at ``max_in_flight``.  A
 request's body is read before it is admitted (``body.py``): a slow body holds no slot.
 """
 
@@ -133,7 +137,8 @@ class Admission:
 
     async def admit(self, request: web.Request | None = None, body: bytes = b"", api_key: str | None = None) -> None:
         """One more request in flight: at once when there is room and nobody waits, else after its
-        turn in the queue; a 429 ``router_overloaded`` when its wait would pass the budget."""
+        turn in the queue; a 429 ``router_overloaded`` when its wait would pass the budget, when it
+        is stale, or when it finds no room on a router short of CPU (the module's rule)."""
         header = header_priority(request.headers.get(PRIORITY_HEADER)) if request is not None else None
         if self.queueing and self.stale_request_s > 0 and request is not None and request.transport is not None:
             protocol = request.protocol  # server.py's ClientHandler: when it read, when it was ready to
