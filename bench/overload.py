@@ -9,14 +9,21 @@ two tenants (two API keys), the heavy one at ``--heavy-ratio`` times the light o
 configuration runs its own router over the same replicas (all pinned alike, one loaded at a time),
 each step on each in turn, side by side: by default the router as it is and with
 ``--max-queue-wait-s 0`` (no queue: the 429 at ``--max-in-flight`` of before).  Per step and tenant:
-offered, served and shed req/s, p50/p99 latency of served requests (from the scheduled send time, so
+offered, served and shed req/s, p50/p99 latency of served requests and of 429s (from the scheduled send time, so
 a client that falls behind counts), the router's p99 queue wait (its histogram, both tenants, every
 admitted request: the smallest bucket bound holding 99%), and how late the load itself sent (p99: where this client is short
 of CPU, part of the latency is its own).
 A table on stdout, ``--json`` and ``--png`` files.  docs/experiments.md has what it measured.
 
+On a 2-core machine the load and the replicas on the other core run out before a one-worker router
+does (one-line chats: the router serves ~4,000 req/s on its core, the client and replicas cannot
+offer 2x that): ``--hogs N`` runs N busy loops on the router's cores, so the router gets a share of
+its core and 2x-3x its capacity is within the load's reach.  ``--checkout NAME=PATH`` runs config
+NAME's router from another checkout (a change's before), side by side with this one's.
+
   python -m kvroute.bench.overload --json overload.json --png docs/overload.png
   python -m kvroute.bench.overload --config after= --config before=--max-queue-wait-s=0 --steps 0.5,1,2,3
+  python -m kvroute.bench.overload --hogs 2 --config after= --config before= --checkout before=../base --steps 1,2,3
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import random
 import resource
 import shutil
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -36,7 +44,7 @@ from pathlib import Path
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.bench.processes import spawn, stop_all
+from kvroute.bench.processes import checkout_command, spawn, stop_all
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "replica" / "assets" / "tiny-tokenizer"
 MODEL = "mock-model"
@@ -91,14 +99,18 @@ class TenantStep:
     latencies: list[float] = field(default_factory=list)  # served (200), from the scheduled time
     late: list[float] = field(default_factory=list)  # how late this client sent each request (its own lag)
     shed: int = 0  # 429
+    shed_latencies: list[float] = field(default_factory=list)  # 429s, from the scheduled time
     failed: int = 0  # anything else
 
     def summary(self, duration_s: float) -> dict:
         lat = sorted(self.latencies)
         q = (lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 1) if lat else None)
         late = sorted(self.late)
+        shed = sorted(self.shed_latencies)
         return {"offered_rps": round(self.offered, 1), "served_rps": round(len(lat) / duration_s, 1),
                 "shed_rps": round(self.shed / duration_s, 1), "failed": self.failed, "p50_ms": q(0.5), "p99_ms": q(0.99),
+                "shed_p50_ms": round(shed[len(shed) // 2] * 1000, 1) if shed else None,
+                "shed_p99_ms": round(shed[min(len(shed) - 1, int(0.99 * len(shed)))] * 1000, 1) if shed else None,
                 "client_late_p99_ms": round(late[int(0.99 * (len(late) - 1))] * 1000, 1) if late else None}
 
 
@@ -141,6 +153,7 @@ async def open_loop(port: int, rates: dict[str, float], duration_s: float, seed:
             step.latencies.append(time.perf_counter() - at)
         elif status == 429:
             step.shed += 1
+            step.shed_latencies.append(time.perf_counter() - at)
         else:
             step.failed += 1
 
@@ -212,15 +225,22 @@ async def run(args: argparse.Namespace) -> dict:
             procs.append(proc)
             urls.append(url)
         routers = {}  # every configuration's router up at once: each step runs on each in turn, side by side
+        links = Path(tempfile.mkdtemp(prefix="overload-checkouts-"))
         for name, extra in args.config:
-            router, url = await spawn([*pin(args.router_cores), py, "-m", "kvroute.cli", "router", "--host", "127.0.0.1",
+            command, env = [py, "-m", "kvroute.cli"], None
+            if name in args.checkout:
+                command, env = checkout_command(args.checkout[name], links / name)
+            router, url = await spawn([*pin(args.router_cores), *command, "router", "--host", "127.0.0.1",
                                         "--port", "0", "--replicas", ",".join(urls), "--tokenizer", str(TOKENIZER),
-                                        "--log-level", "error", "--no-access-log", *extra])
+                                        "--log-level", "error", "--no-access-log", *extra], env=env)
             procs.append(router)
             routers[name] = url
             await ready(url)
             await closed_loop(int(url.rsplit(":", 1)[-1]), args.connections, 2.0)  # warm-up: connections, caches
             out["configs"][name] = {"router_args": extra, "rows": []}
+        for _ in range(args.hogs):  # after the warm-ups: the routers' share of their cores from now on
+            procs.append(await asyncio.create_subprocess_exec(*pin(args.router_cores), py, "-c", "while True: pass"))
+        out["hogs"] = args.hogs
         first = next(iter(routers.values()))
         capacity = await closed_loop(int(first.rsplit(":", 1)[-1]), args.connections, args.duration)
         out["capacity_rps"] = round(capacity, 1)
@@ -245,13 +265,14 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 HEADER = (f"{'config':>8} {'load':>5} {'tenant':>6} {'offered':>8} {'served':>8} {'shed':>8} "
-          f"{'p50 ms':>8} {'p99 ms':>8} {'wait p99':>9} {'late p99':>9}")
+          f"{'p50 ms':>8} {'p99 ms':>8} {'shed p50':>9} {'shed p99':>9} {'wait p99':>9} {'late p99':>9}")
 
 
 def table_row(row: dict) -> str:
     fmt = (lambda v: "-" if v is None else f"{v:.0f}")
     return (f"{row['config']:>8} {row['multiple']:>4}x {row['tenant']:>6} {row['offered_rps']:>8.0f} {row['served_rps']:>8.0f} "
-            f"{row['shed_rps']:>8.0f} {fmt(row['p50_ms']):>8} {fmt(row['p99_ms']):>8} {fmt(row['queue_wait_p99_ms']):>9} "
+            f"{row['shed_rps']:>8.0f} {fmt(row['p50_ms']):>8} {fmt(row['p99_ms']):>8} {fmt(row['shed_p50_ms']):>9} "
+            f"{fmt(row['shed_p99_ms']):>9} {fmt(row['queue_wait_p99_ms']):>9} "
             f"{fmt(row['client_late_p99_ms']):>9}")
 
 
@@ -299,11 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--router-cores", default="0", help="taskset cores of the router")
     parser.add_argument("--other-cores", default="1", help="taskset cores of the replicas (this process: pin it yourself)")
+    parser.add_argument("--hogs", type=int, default=0, help="busy loops on the router's cores (its share: 1/(N+1))")
+    parser.add_argument("--checkout", type=lambda t: (t.partition("=")[0], Path(t.partition("=")[2]).resolve()),
+                        action="append", default=[], help="NAME=PATH: config NAME's router from that checkout")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--png", type=Path, help="plot them here (matplotlib)")
     args = parser.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # an open loop at 3x opens a connection per waiting request
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    args.checkout = dict(args.checkout)
     args.config = args.config or [("queue", []), ("no-queue", ["--max-queue-wait-s=0"])]
     print(HEADER, flush=True)
     result = uvloop.run(run(args))  # the load itself must cost little

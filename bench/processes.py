@@ -11,9 +11,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-async def spawn(args: list[str]) -> tuple[asyncio.subprocess.Process, str]:
-    """Start ``args`` in the repository; returns it and the first http:// word of its first line."""
-    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, cwd=str(REPO))
+async def spawn(args: list[str], env: dict[str, str] | None = None) -> tuple[asyncio.subprocess.Process, str]:
+    """Start ``args`` in the repository (in ``env``, default this one's); returns it and the first
+    http:// word of its first line."""
+    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, cwd=str(REPO), env=env)
     assert proc.stdout is not None
     words = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
     url = next((word for word in words if word.startswith("http://")), None)

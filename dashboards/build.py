@@ -282,7 +282,8 @@ FLEET = dashboard(
               [(f"sum by (reason, priority) ({rrate('kvroute_shed_requests_total')})", "{{reason}} {{priority}}")],
               unit="reqps", width=6, description="Requests answered 429 router_overloaded: over_budget (refused on "
                                                  "arrival), displaced (pushed out by a more urgent or fairer one), "
-                                                 "timeout (waited the budget out), no_queue (max_queue_wait_s 0)."
+                                                 "timeout (waited the budget out), no_queue (max_queue_wait_s 0), "
+                                                 "saturated (no room while the router's own CPU is saturated)."
                                                  + ROUTER_WIDE),
         Panel("Event-loop lag", [(f"max by (instance) ({routed(f'kvroute_event_loop_lag_seconds{{{T}}}')})",
                                   "{{instance}}")],

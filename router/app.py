@@ -156,6 +156,8 @@ class RouterApp:
             max_queue_wait_s=s.max_queue_wait_s,
             max_queue_length=s.max_queue_length,
             saturated_loop_lag_s=s.saturated_loop_lag_s,
+            queue_when_saturated=s.queue_when_saturated,
+            stale_request_s=s.stale_request_s,
             tenant_weights=s.tenant_weights,
             client_address=self.client_address,
         )
@@ -222,7 +224,8 @@ class RouterApp:
                 ssl_context=listener_tls, handshake_timeout_s=s.header_timeout_s or None,
             )
             await site.start()
-            self.admission.start()  # the loop's lag and the tokenizer pool watched (with a queue)
+            # the loop's lag, the tokenizer pool and the accept queue watched (with a queue)
+            self.admission.start(list(site._server.sockets) if site._server is not None else [])
             if self.worker_metrics is not None:
                 self.worker_metrics.start()
         except BaseException:

@@ -213,6 +213,20 @@ class RouterSettings(BaseSettings):
         "queue and its in-flight limit comes down until the lag does (0: the lag is not watched)",
         json_schema_extra=_hint("SECONDS"),
     )
+    queue_when_saturated: bool = Field(
+        True, description="queue requests that find no room while the router's own CPU is saturated (its loop "
+        "lagging, its tokenizer pool backed up) as when only slots are short (the default); off: those are "
+        "answered 429 router_overloaded at once and the accept queue counts as saturation, since a wait there "
+        "holds the client's connection and an open-loop client opens another, work a saturated router has no "
+        "CPU for; each request served is then on time, but fewer are served (design.md §7.6)"
+    )
+    stale_request_s: float = Field(
+        0.0, ge=0, description="a request whose bytes waited this long in the kernel before the router read them "
+        "(in the accept queue or its socket's buffer: TCP_INFO) is answered 429 router_overloaded at once "
+        "and the router counts itself saturated; serving it would be late (0, the default: not checked; 0.25 with
+        "--no-queue-when-saturated, design.md §7.6; with a queue only)",
+        json_schema_extra=_hint("SECONDS"),
+    )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict, description="a tenant's share of a saturated router against the others' (default "
         "1); tenants are named key-<first 10 hex of the key's sha256>, user:<user field> or addr:<client address>",

@@ -108,7 +108,7 @@ class _ReplicaInfoCollector(Collector):
 
 # -- overload: the admission queue (router/edge/overload/, design.md §7.6) -------------------------
 # Labels are bounded: the priority class (3) and the reason (4), never a tenant.
-SHED_REASONS = ("no_queue", "over_budget", "displaced", "timeout")
+SHED_REASONS = ("no_queue", "saturated", "stale", "over_budget", "displaced", "timeout")
 PRIORITY_CLASSES = ("high", "normal", "low")
 _QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 
@@ -117,7 +117,8 @@ class OverloadMetrics:
     """``kvroute_queue_depth``, ``kvroute_queue_wait_seconds`` (every admitted request: 0 for those
     that found room at once, so its quantiles are the share of all requests that waited),
     ``kvroute_shed_requests_total{reason,priority}`` (429s: ``no_queue`` at the limit without a queue,
-    ``over_budget`` refused on arrival, ``displaced`` pushed out of the queue, ``timeout`` waited the
+    ``saturated`` at the limit while the router's own CPU is saturated (not queued), ``stale`` read
+    past ``STALE_S`` after its last byte reached the kernel (overload/saturation.py), ``over_budget`` refused on arrival, ``displaced`` pushed out of the queue, ``timeout`` waited the
     budget out), ``kvroute_admission_limit`` (the in-flight limit saturation sets) and
     ``kvroute_event_loop_lag_seconds``; each worker's own, added up (the lag: the worst)."""
 

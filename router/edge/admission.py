@@ -2,7 +2,11 @@
 runs when there is room (in flight below the limit), else waits in the admission queue, in fair
 order across tenants and priority classes, at most ``max_queue_wait_s`` before a 429 with
 Retry-After (router/edge/overload/: the queue, the fair order, the saturation that lowers the limit;
-design.md §7.6).  With ``max_queue_wait_s`` 0 there is no queue: a 429 at ``max_in_flight``.  A
+design.md §7.6).  With ``queue_when_saturated`` off, short of CPU rather than of slots (saturation.py:
+the loop lags, the tokenizer pool or the accept queue is backed up, a stale request was seen) a
+request that finds no room is refused at once, and with ``stale_request_s`` one whose bytes waited
+that long in the kernel always is: a wait would hold its connection and bring another, serving it
+would be late.  With ``max_queue_wait_s`` 0 there is no queue: a 429 at ``max_in_flight``.  A
 request's body is read before it is admitted (``body.py``): a slow body holds no slot.
 """
 
@@ -12,6 +16,7 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
 from collections.abc import Iterable, Mapping
 
 from aiohttp import web
@@ -21,7 +26,7 @@ from kvroute.common.tokens.tokenizer import pool_backlog
 
 from kvroute.router.edge.forwarded import ClientAddress
 from kvroute.router.edge.overload.queue import AdmissionQueue, overloaded
-from kvroute.router.edge.overload.saturation import Saturation
+from kvroute.router.edge.overload.saturation import Saturation, accept_backlog, kernel_wait_s
 from kvroute.router.edge.overload.tenants import PRIORITY_HEADER, Priority, body_fields, header_priority, priority_of, tenant_of
 from kvroute.router.metrics import RouterMetrics
 
@@ -57,6 +62,8 @@ class Admission:
         max_queue_wait_s: float = 0.0,
         max_queue_length: int = 1024,
         saturated_loop_lag_s: float = 0.0,
+        queue_when_saturated: bool = True,
+        stale_request_s: float = 0.0,
         tenant_weights: Mapping[str, float] | None = None,
         client_address: ClientAddress | None = None,
     ):
@@ -70,6 +77,8 @@ class Admission:
         self._idle = asyncio.Event()
         self.client_address = client_address or ClientAddress()
         self.queueing = max_queue_wait_s > 0
+        self.queue_when_saturated = queue_when_saturated
+        self.stale_request_s = stale_request_s
         self.saturation = Saturation(
             max_in_flight=max_in_flight, max_loop_lag_s=saturated_loop_lag_s if self.queueing else 0.0,
             in_flight=lambda: self.in_flight, queued=lambda: len(self.queue), pool_backlog=pool_backlog,
@@ -83,8 +92,12 @@ class Admission:
         self.queue.add_condition(self._below_limit)
         metrics.overload.limit.set(max_in_flight)
 
-    def start(self) -> None:
-        """Watch the loop's lag and the tokenizer pool (with a queue: without one nothing waits for them)."""
+    def start(self, listeners: list[socket.socket] | None = None) -> None:
+        """Watch the loop's lag, the tokenizer pool and the accept queue of the ``listeners`` (with a
+        queue: without one nothing waits for them)."""
+        sockets = list(listeners or [])
+        if not self.queue_when_saturated:  # the accept queue is a saturation signal only where it refuses
+            self.saturation.accept_backlog = lambda: accept_backlog(sockets)
         if self.queueing:
             self.saturation.start()
 
@@ -125,8 +138,18 @@ class Admission:
 
     async def admit(self, request: web.Request | None = None, body: bytes = b"", api_key: str | None = None) -> None:
         """One more request in flight: at once when there is room and nobody waits, else after its
-        turn in the queue; a 429 ``router_overloaded`` when its wait would pass the budget."""
+        turn in the queue; a 429 ``router_overloaded`` when its wait would pass the budget, when it
+        is stale, or when it finds no room on a router short of CPU (the module's rule)."""
         header = header_priority(request.headers.get(PRIORITY_HEADER)) if request is not None else None
+        if self.queueing and self.stale_request_s > 0 and request is not None and request.transport is not None:
+            protocol = request.protocol  # server.py's ClientHandler: when it read, when it was ready to
+            waited = kernel_wait_s(request.transport.get_extra_info("socket"), getattr(protocol, "heard_at", 0.0),
+                                   getattr(protocol, "ready_at", 0.0))
+            if waited > self.stale_request_s:  # it waited in the kernel for the router to read it
+                self.saturation.saw_stale()
+                self.metrics.overload.shed("stale", header or Priority.NORMAL)
+                raise overloaded(f"the router is saturated: this request waited {waited:.2f} s before it was read; "
+                                 "retry shortly", self.retry_after_s)
         if not len(self.queue) and self.queue.has_room():
             self._take()
             self.metrics.overload.queue_wait.observe(0.0)  # the histogram counts every admitted request
@@ -135,6 +158,11 @@ class Admission:
             self.metrics.overload.shed("no_queue", header or Priority.NORMAL)
             raise overloaded(f"the router has {self.in_flight} requests in flight, its limit; retry shortly",
                              self.retry_after_s)
+        if not self.queue_when_saturated and self.saturation.saturated():
+            # short of CPU, not of slots: a wait would hold this connection and bring another (the rule above)
+            self.metrics.overload.shed("saturated", header or Priority.NORMAL)
+            raise overloaded("the router is saturated (its CPU: the event loop lags, or the tokenizer pool is "
+                             f"backed up) with {self.in_flight} requests in flight; retry shortly", self.retry_after_s)
         fields = body_fields(body)
         address = self.client_address.of(request) if request is not None else None
         await self.queue.wait(tenant_of(api_key, fields, address), priority_of(header, fields))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -162,7 +163,7 @@ class ClientHandler(RequestHandler):
 
     __slots__ = (
         "_limits", "_head_timer", "_head_bytes", "_heads_before", "_body", "_body_timer", "_last_body", "_book",
-        "_lingering",
+        "_lingering", "heard_at", "ready_at",
     )
 
     def __init__(self, manager: Server, *, limits: ClientLimits, **kwargs: Any):
@@ -171,6 +172,12 @@ class ClientHandler(RequestHandler):
         # the server's open connections (the connection cap), None when served by aiohttp's own Server
         self._book: ConnectionBook | None = manager.book if isinstance(manager, _ClientServer) else None
         self._lingering: _LingeringTransport | None = None  # set by linger()
+        # when the router last read bytes of this connection (monotonic): with TCP_INFO's time since
+        # the kernel received them, how long they waited in the kernel (overload/saturation.py)
+        self.heard_at = 0.0
+        # when it finished answering its last request (aiohttp reads no further request before): a
+        # pipelined request waits in the kernel for the one before it, not for a busy router
+        self.ready_at = 0.0
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = False  # bytes of a head not yet complete have arrived
         self._heads_before = 0  # requests parsed when the header timer was armed
@@ -224,6 +231,7 @@ class ClientHandler(RequestHandler):
         """aiohttp's, then the connection is idle (evictable) if it waits for its next request:
         nothing of it queued or arriving, its request's body read, not closing."""
         result = await super().finish_response(request, resp, start_time)
+        self.ready_at = time.monotonic()
         if (
             self._book is not None and not self._messages and not self._head_bytes and request.content.is_eof()
             and not self._close and not self._force_close
@@ -249,6 +257,7 @@ class ClientHandler(RequestHandler):
         self._body = None
 
     def data_received(self, data: bytes) -> None:
+        self.heard_at = time.monotonic()
         if self._force_close or self._close:
             if self._lingering is not None:
                 self._lingering.heard(len(data))

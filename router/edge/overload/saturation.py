@@ -1,11 +1,13 @@
 """The router's own saturation, measured: how late the event loop runs, how many tokenizer jobs
-wait for a thread, and from those an in-flight limit that follows them.
+wait for a thread, how many connections wait in the kernel to be accepted, and from those an
+in-flight limit that follows them.
 
 A router short of CPU does not refuse work by itself: every request it accepts makes each loop
 turn longer, and all of them slower.  Every ``TICK_S`` a callback measures how late it ran (the
 loop's lag, smoothed over a couple of ticks).  Above ``saturated_loop_lag_s``, or with more than
 ``BACKLOG_PER_THREAD`` tokenizer jobs per thread waiting (tokenizing is the CPU a new prompt costs),
-the router is saturated and the limit comes down to 90% of what is in flight (at least
+or more than ``ACCEPT_BACKLOG`` connections completed by the kernel and not yet accepted on two
+ticks in a row (:func:`accept_backlog`), the router is saturated and the limit comes down to 90% of what is in flight (at least
 ``MIN_LIMIT``); otherwise it climbs back by 10% a tick towards ``max_in_flight`` (a limit left low
 on a shared core would throttle a router that could serve more: the floor and the quick climb keep
 that short).  Requests over the limit queue (admission.py) instead of lengthening the loop: queueing
@@ -13,11 +15,27 @@ holds a request for free, serving it costs everyone (design.md §7.6).  Every ti
 rate requests finish at while some wait, the queue's drain rate: over the last ``DRAIN_WINDOW_S`` (or
 the budget, if longer), and only once ``MIN_DRAIN_SAMPLES`` requests finished in it (a rate of 0 from
 a queue behind one long request says nothing certain).
+
+The accept backlog is the signal the loop's lag misses: a router short of CPU still turns its loop
+every few tens of milliseconds (each turn accepts what the kernel has queued, reads what is ready,
+and the lag stays under its mark) while its work grows faster than it does it; what it has not
+reached waits in the kernel, first in the listening socket's accept queue.  Measured (docs/
+experiments.md, 2026-12-04, the accept backlog): at 2x its capacity a one-worker router lagged
+under 50 ms, served nearly all it was offered, and every request waited 3-8 s in that queue (and
+past its 4,096 the kernel dropped SYNs, retransmitted 1, 3, 7 s later).  Linux reports the queue's
+length for a listening socket in ``TCP_INFO`` (``tcpi_unacked``; ``tcpi_sacked`` is its bound).
+Past the accept queue a request may still wait in its socket's buffer; ``TCP_INFO`` of the
+connection tells how long ago its last bytes came, and so how long they waited before the router
+read them (:func:`kernel_wait_s`): admission refuses a request that waited over
+``--stale-request-s`` (``STALE_S``) there (serving it would be late; answering it costs little) and
+counts the router saturated for two ticks, as CoDel judges a queue by the time spent in it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,6 +48,36 @@ DECREASE = 0.9
 INCREASE = 0.1
 DRAIN_WINDOW_S = 1.0
 MIN_DRAIN_SAMPLES = 8
+ACCEPT_BACKLOG = 64  # connections waiting to be accepted: more, on two ticks in a row, is saturation
+STALE_S = 0.25  # --stale-request-s to use with --no-queue-when-saturated: a request read this long after its last byte reached the kernel is stale
+
+
+def kernel_wait_s(sock: socket.socket | None, read_at: float, ready_at: float = 0.0) -> float:
+    """How long the last bytes of this connection waited in the kernel for a router that would have
+    read them: from when the kernel received them (``TCP_INFO``'s ``tcpi_last_data_recv``, ms ago)
+    or, if later, ``ready_at`` (the end of the connection's previous answer: aiohttp reads no
+    further request before it, so a pipelined request waits for the one before it, not for a busy
+    router) to ``read_at`` (both ``time.monotonic()``); 0 where it cannot be read.  For a request
+    whose bytes came at once, the time it waited in the accept queue and its socket's buffer."""
+    if sock is None or read_at <= 0:
+        return 0.0
+    try:
+        since_kernel = struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64), 52)[0] / 1000
+    except (OSError, AttributeError, struct.error):
+        return 0.0
+    return read_at - max(time.monotonic() - since_kernel, ready_at)
+
+
+def accept_backlog(sockets: list[socket.socket]) -> int:
+    """Connections the kernel completed and queued on these listening sockets, not yet accepted
+    (``TCP_INFO``'s ``tcpi_unacked`` of a listening socket); 0 where it cannot be read."""
+    total = 0
+    for sock in sockets:
+        try:
+            total += struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32), 24)[0]
+        except (OSError, AttributeError, struct.error):  # not Linux, not TCP (a Unix socket), closed
+            pass
+    return total
 
 
 class Saturation:
@@ -44,6 +92,7 @@ class Saturation:
         pool_threads: int,
         on_tick: Callable[[], None],
         drain_window_s: float = DRAIN_WINDOW_S,
+        accept_backlog: Callable[[], int] = lambda: 0,
     ):
         self.max_in_flight = max_in_flight
         self.max_loop_lag_s = max_loop_lag_s
@@ -56,6 +105,10 @@ class Saturation:
         self._in_flight, self._queued = in_flight, queued
         self._pool_backlog, self._max_backlog = pool_backlog, BACKLOG_PER_THREAD * max(1, pool_threads)
         self._on_tick = on_tick
+        self.accept_backlog = accept_backlog  # set by Admission.start: the listening sockets
+        self.backlog = 0  # connections waiting to be accepted, the last tick
+        self._backlogged = 0  # ticks in a row with more than ACCEPT_BACKLOG
+        self.stale_ticks = 0  # ticks left during which a stale request seen counts as saturation
         self._handle: asyncio.TimerHandle | None = None
         self._last = 0.0
         self._finished_then = 0
@@ -71,13 +124,22 @@ class Saturation:
 
     def saturated(self) -> bool:
         lagging = self.max_loop_lag_s > 0 and self.lag_s > self.max_loop_lag_s
-        return lagging or self._pool_backlog() > self._max_backlog
+        stale = self.stale_ticks > 0
+        return lagging or stale or self._backlogged >= 2 or self._pool_backlog() > self._max_backlog
+
+    def saw_stale(self) -> None:
+        """A request reached admission stale (``STALE_S`` after its last byte): saturated for 2 ticks."""
+        self.stale_ticks = 2
 
     def _tick(self) -> None:
         now = time.perf_counter()
         elapsed = now - self._last
         self.lag_s = LAG_SMOOTHING * max(0.0, elapsed - TICK_S) + (1 - LAG_SMOOTHING) * self.lag_s
         self._last = now
+        self.backlog = self.accept_backlog()
+        self._backlogged = self._backlogged + 1 if self.backlog > ACCEPT_BACKLOG else 0
+        saturated = self.saturated()
+        self.stale_ticks = max(0, self.stale_ticks - 1)
         finished, self._finished_then = self.finished - self._finished_then, self.finished
         if self._queued():  # the drain rate is only worth knowing while requests wait
             self._drained.append((now, elapsed, finished))
@@ -86,7 +148,7 @@ class Saturation:
         done = sum(n for _, _, n in self._drained)
         span = sum(dt for _, dt, _ in self._drained)
         self.drain_rate = done / span if done >= MIN_DRAIN_SAMPLES and span > 0 else None
-        if self.saturated():
+        if saturated:
             self.limit = max(float(MIN_LIMIT), min(self.limit, self._in_flight()) * DECREASE)
         else:
             self.limit = min(float(self.max_in_flight), self.limit + max(2.0, self.limit * INCREASE))
