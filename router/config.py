@@ -223,7 +223,7 @@ class RouterSettings(BaseSettings):
     stale_request_s: float = Field(
         0.0, ge=0, description="a request whose bytes waited this long in the kernel before the router read them "
         "(in the accept queue or its socket's buffer: TCP_INFO) is answered 429 router_overloaded at once "
-        "and the router counts itself saturated; serving it would be late (0, the default: not checked; 0.25 with
+        "and the router counts itself saturated; serving it would be late (0, the default: not checked; 0.25 with "
         "--no-queue-when-saturated, design.md §7.6; with a queue only)",
         json_schema_extra=_hint("SECONDS"),
     )
