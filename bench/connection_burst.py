@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvroute.bench.processes import stop_all
 from kvroute.bench.router_overhead import spawn
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "replica" / "assets" / "tiny-tokenizer"
@@ -118,10 +119,7 @@ async def run(args: argparse.Namespace) -> dict:
             "kernel": {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS},
         }
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.terminate()
-            await proc.wait()
+        await stop_all(procs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,12 +19,17 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 import numpy as np
 
+from kvroute.bench.processes import stop_all
 from kvroute.bench.router_overhead import _REPLICAS_CHILD, MODEL, TOKENIZER, spawn, text_of
+
+T = TypeVar("T")
 
 BOMB = "{% for i in range(100000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
 
@@ -36,10 +41,9 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
     raise KeyError(field)
 
 
-async def one(url: str, pid: int, body: bytes) -> dict:
-    """Send ``body`` once, sampling /health meanwhile; the router's RSS around it."""
-    before = rss_mb(pid)
-    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM restarts from here
+async def health_while(url: str, work: Awaitable[T], interval_s: float = 0.01) -> tuple[T, list[float]]:
+    """Await ``work`` while ``url``/health is sampled every ``interval_s``: (its result, the samples'
+    latencies): how long the router keeps everyone else waiting while it handles ``work``."""
     latencies: list[float] = []
     done = asyncio.Event()
     async with aiohttp.ClientSession() as probe:
@@ -47,20 +51,32 @@ async def one(url: str, pid: int, body: bytes) -> dict:
         async def sample() -> None:
             while not done.is_set():
                 started = time.perf_counter()
-                async with probe.get(url + "/health") as r:
-                    await r.read()
+                async with probe.get(url + "/health") as resp:
+                    await resp.read()
                 latencies.append(time.perf_counter() - started)
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(interval_s)
 
         sampler = asyncio.create_task(sample())
+        try:
+            return await work, latencies
+        finally:
+            done.set()
+            await sampler
+
+
+async def one(url: str, pid: int, body: bytes) -> dict:
+    """Send ``body`` once, sampling /health meanwhile; the router's RSS around it."""
+    before = rss_mb(pid)
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM restarts from here
+
+    async def post() -> tuple[dict, int, float]:
         started = time.perf_counter()
         async with aiohttp.ClientSession() as client:
             async with client.post(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"},
                                    timeout=aiohttp.ClientTimeout(total=600)) as r:
-                answer, status = await r.json(), r.status
-        elapsed = time.perf_counter() - started
-        done.set()
-        await sampler
+                return await r.json(), r.status, time.perf_counter() - started
+
+    (answer, status, elapsed), latencies = await health_while(url, post(), 0.02)
     await asyncio.sleep(0.5)
     error = answer.get("error") or {}
     return {
@@ -101,10 +117,7 @@ async def run(args: argparse.Namespace) -> dict:
         }
         return {name: await one(url, router_proc.pid, body) for name, body in cases.items()}
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.terminate()
-            await proc.wait()
+        await stop_all(procs)
 
 
 def main(argv: list[str] | None = None) -> int:

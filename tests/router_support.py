@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 import urllib.parse
@@ -231,6 +232,22 @@ class ScriptedReplica:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         raise NotImplementedError
+
+    @staticmethod
+    async def stream_tokens(request: web.Request, tokens: int, gap_s: float, *, wait_first: bool) -> web.StreamResponse:
+        """A chat stream of ``tokens`` one-token chunks ``gap_s`` apart (and before the first with
+        ``wait_first``), with no usage, then ``[DONE]``."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(tokens):
+            if i or wait_first:
+                await asyncio.sleep(gap_s)
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(text="")

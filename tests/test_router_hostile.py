@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from kvroute.bench.hostile_inputs import health_while
 from tests.router_support import MODEL, RouterProcess, emulated_replicas
 
 FUZZ_BODIES = 10_000
@@ -314,28 +315,6 @@ def _many_messages(n: int, content: str = "x") -> bytes:
     return json.dumps({"model": MODEL, "messages": messages, "max_tokens": 1}).encode()
 
 
-async def _health_while(url: str, work: Any) -> tuple[Any, list[float]]:
-    """Run ``work`` while /health is sampled every 10 ms: (its result, the samples' latencies)."""
-    latencies: list[float] = []
-    done = asyncio.Event()
-    async with aiohttp.ClientSession() as probe:
-
-        async def sample() -> None:
-            while not done.is_set():
-                started = time.perf_counter()
-                async with probe.get(url + "/health") as resp:
-                    await resp.read()
-                latencies.append(time.perf_counter() - started)
-                await asyncio.sleep(0.01)
-
-        sampler = asyncio.create_task(sample())
-        try:
-            return await work, latencies
-        finally:
-            done.set()
-            await sampler
-
-
 async def test_a_chat_of_200k_messages_is_refused_from_its_roles_and_a_valid_long_one_is_served():
     """The issue's case: 200,000 one-character messages (7 MB, 1.2 M tokens for the tiny template)
     against the replica's 32,768 tokens.  Rendered and tokenized, each took 1.7-2.2 s here and four
@@ -355,7 +334,7 @@ async def test_a_chat_of_200k_messages_is_refused_from_its_roles_and_a_valid_lon
                         return resp.status, await resp.json(), time.perf_counter() - started
 
                 await post(_many_messages(2))  # connections and the first request's costs paid
-                answers, latencies = await _health_while(router.url, asyncio.gather(*(post(body) for _ in range(4))))
+                answers, latencies = await health_while(router.url, asyncio.gather(*(post(body) for _ in range(4))))
                 for status, answer, took in answers:
                     assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
                     assert "at least 399998 tokens long (200000 messages" in answer["error"]["message"]  # not rendered

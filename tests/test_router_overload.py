@@ -54,16 +54,7 @@ class PacedReplica(ScriptedReplica):
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
             })  # fmt: skip
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(self.chunks):
-            await asyncio.sleep(self.delay_s)
-            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await self.stream_tokens(request, self.chunks, self.delay_s, wait_first=True)
 
 
 async def timed_chat(client: openai.AsyncOpenAI, at: float, content: str = "Hello there", **kwargs: Any) -> dict:

@@ -5,8 +5,6 @@ for one process and summed over ``--workers 2``; no ``_created`` series anywhere
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 from pathlib import Path
 
@@ -81,17 +79,7 @@ class UsagelessStream(ScriptedReplica):
     GAP_S = 0.05
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(self.TOKENS):
-            if i:
-                await asyncio.sleep(self.GAP_S)
-            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await self.stream_tokens(request, self.TOKENS, self.GAP_S, wait_first=False)
 
 
 async def test_output_tokens_are_a_streams_events_when_the_replica_reports_no_usage():

@@ -126,22 +126,11 @@ async def router_ready(url: str, replicas: int, timeout_s: float) -> None:
     import aiohttp
 
     from ..demo import parse_metrics
+    from ..demo_fleet import wait_ready
 
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    last = "no answer"
+    await wait_ready(url, timeout_s)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
-        while True:
-            try:
-                async with http.get(url + "/ready") as resp:
-                    if resp.status == 200:
-                        break
-                    last = f"HTTP {resp.status}"
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                last = repr(exc)
-            if loop.time() > deadline:
-                raise TimeoutError(f"router at {url} not ready in {timeout_s:g} s ({last})")
-            await asyncio.sleep(0.1)
         settle = loop.time() + 10.0
         while loop.time() < settle:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
