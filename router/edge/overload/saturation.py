@@ -48,6 +48,9 @@ DECREASE = 0.9
 INCREASE = 0.1
 DRAIN_WINDOW_S = 1.0
 MIN_DRAIN_SAMPLES = 8
+# Linux's struct tcp_info: eight u8 fields, then u32s: tcpi_unacked at byte 24 (a listening
+# socket's accept queue length), tcpi_last_data_recv at 52 (ms since data last arrived)
+_UNACKED, _LAST_DATA_RECV = 24, 52
 ACCEPT_BACKLOG = 64  # connections waiting to be accepted: more, on two ticks in a row, is saturation
 STALE_S = 0.25  # --stale-request-s to use with --no-queue-when-saturated: a request read this long after its last byte reached the kernel is stale
 
@@ -62,7 +65,7 @@ def kernel_wait_s(sock: socket.socket | None, read_at: float, ready_at: float = 
     if sock is None or read_at <= 0:
         return 0.0
     try:
-        since_kernel = struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64), 52)[0] / 1000
+        since_kernel = struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64), _LAST_DATA_RECV)[0] / 1000
     except (OSError, AttributeError, struct.error):
         return 0.0
     return read_at - max(time.monotonic() - since_kernel, ready_at)
@@ -74,7 +77,7 @@ def accept_backlog(sockets: list[socket.socket]) -> int:
     total = 0
     for sock in sockets:
         try:
-            total += struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32), 24)[0]
+            total += struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32), _UNACKED)[0]
         except (OSError, AttributeError, struct.error):  # not Linux, not TCP (a Unix socket), closed
             pass
     return total
