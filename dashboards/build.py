@@ -283,7 +283,9 @@ FLEET = dashboard(
               unit="reqps", width=6, description="Requests answered 429 router_overloaded: over_budget (refused on "
                                                  "arrival), displaced (pushed out by a more urgent or fairer one), "
                                                  "timeout (waited the budget out), no_queue (max_queue_wait_s 0), "
-                                                 "saturated (no room while the router's own CPU is saturated)."
+                                                 "saturated (no room while the router's own CPU is saturated), "
+                                                 "over_share (a tenant over its fair share while the router is short "
+                                                 "of CPU, refused at the door), stale (waited in the kernel)."
                                                  + ROUTER_WIDE),
         Panel("Event-loop lag", [(f"max by (instance) ({routed(f'kvroute_event_loop_lag_seconds{{{T}}}')})",
                                   "{{instance}}")],

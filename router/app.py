@@ -158,6 +158,7 @@ class RouterApp:
             saturated_loop_lag_s=s.saturated_loop_lag_s,
             queue_when_saturated=s.queue_when_saturated,
             stale_request_s=s.stale_request_s,
+            fair_share_when_short=s.fair_share_when_short,
             tenant_weights=s.tenant_weights,
             client_address=self.client_address,
         )
@@ -213,6 +214,7 @@ class RouterApp:
             limits = ClientLimits(
                 s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s, count_timeouts(self.metrics.registry),
                 max_connections=cap, connection_metrics=ConnectionMetrics(self.metrics.registry),
+                door=self.admission.door,
             )
             self._runner = ClientAppRunner(
                 app, limits=limits, handler_cancellation=True, access_log=None, shutdown_timeout=2.0

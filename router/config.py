@@ -227,6 +227,12 @@ class RouterSettings(BaseSettings):
         "--no-queue-when-saturated, design.md §7.6; with a queue only)",
         json_schema_extra=_hint("SECONDS"),
     )
+    fair_share_when_short: bool = Field(
+        True, description="while the router is short of CPU (requests wait in the kernel to be read, the loop "
+        "lags), each tenant may send its fair share of what the router serves, and its requests beyond it are "
+        "answered 429 router_overloaded at the door, before they cost a handler (with a queue only; "
+        "design.md §7.6)"
+    )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict, description="a tenant's share of a saturated router against the others' (default "
         "1); tenants are named key-<first 10 hex of the key's sha256>, user:<user field> or addr:<client address>",

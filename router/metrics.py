@@ -108,7 +108,7 @@ class _ReplicaInfoCollector(Collector):
 
 # -- overload: the admission queue (router/edge/overload/, design.md §7.6) -------------------------
 # Labels are bounded: the priority class (3) and the reason (4), never a tenant.
-SHED_REASONS = ("no_queue", "saturated", "stale", "over_budget", "displaced", "timeout")
+SHED_REASONS = ("no_queue", "saturated", "stale", "over_budget", "displaced", "timeout", "over_share")
 PRIORITY_CLASSES = ("high", "normal", "low")
 _QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 
@@ -119,7 +119,9 @@ class OverloadMetrics:
     ``kvroute_shed_requests_total{reason,priority}`` (429s: ``no_queue`` at the limit without a queue,
     ``saturated`` at the limit while the router's own CPU is saturated (not queued), ``stale`` read
     past ``STALE_S`` after its last byte reached the kernel (overload/saturation.py), ``over_budget`` refused on arrival, ``displaced`` pushed out of the queue, ``timeout`` waited the
-    budget out), ``kvroute_admission_limit`` (the in-flight limit saturation sets) and
+    budget out, ``over_share`` refused at the door: its tenant over its fair share of a router short of
+    CPU, overload/shares.py), ``kvroute_admission_limit`` (the in-flight limit saturation sets),
+    ``kvroute_fair_share_rate`` (the rate the shares split, 0 while none apply) and
     ``kvroute_event_loop_lag_seconds``; each worker's own, added up (the lag: the worst)."""
 
     def __init__(self, registry: CollectorRegistry):
@@ -138,6 +140,10 @@ class OverloadMetrics:
         self.limit = Gauge(
             "kvroute_admission_limit", "requests admitted at once: max_in_flight, lowered while the router is saturated",
             multiprocess_mode="livesum", registry=registry,
+        )
+        self.share_rate = Gauge(
+            "kvroute_fair_share_rate", "requests per second the router admits while short of CPU, split in fair "
+            "shares among its tenants (0: no shares apply)", multiprocess_mode="livesum", registry=registry,
         )
         self.loop_lag = Gauge(
             "kvroute_event_loop_lag_seconds", "how late the event loop ran a timer at the last check (every 50 ms)",

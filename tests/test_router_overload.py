@@ -359,34 +359,40 @@ class RawClient:
             writer.close()
 
 
-async def test_a_router_saturated_at_twice_its_capacity_serves_at_an_even_pace_and_refuses_fast():
-    """With --no-queue-when-saturated --stale-request-s 0.25, a one-worker router (pinned to one core where taskset exists; the test's client and replica
-    on the other) offered twice what it serves, in chats of 4 KB that its tokenizer must encode:
-    short of CPU, it refuses the excess at once rather than queueing it (design.md §7.6), so its
-    served requests keep p99 within 3x their p50 (plus a margin for a loaded machine) and under the
-    budget, and the 429s come within it (most at once).  With --queue-when-saturated (the queue
-    of before) the excess waits the budget out: 429s after ~2 s, served requests after up to 2 s."""
+@pytest.mark.parametrize("mode", ["fair shares", "refuse when saturated"])
+async def test_a_router_saturated_at_twice_its_capacity_serves_at_an_even_pace_and_refuses_fast(mode):
+    """A one-worker router (pinned to one core where taskset exists; the test's client and replica
+    on the other) offered twice what it serves, in chats of 4 KB that its tokenizer must encode, by
+    two tenants (API keys), one at 10x the other's rate.  Short of CPU, it refuses the excess at
+    once rather than letting it wait in the kernel (design.md §7.6), so its served requests keep p99
+    within 3x their p50 (plus a margin for a loaded machine) and under the budget, and the 429s come
+    within it (most at once).  By default (fair shares, overload/shares.py) the refusals fall on the
+    heavy tenant: the light one, under its share, is served.  With --no-queue-when-saturated
+    --stale-request-s 0.25 the router refuses whatever finds no room, both tenants alike.  With
+    --no-fair-share-when-short (the router of before) the excess waits in the kernel: served p99 of
+    seconds, nothing refused, and the test fails."""
     budget = 2.0
     content = "@ " + " ".join(f"word{i * 7 % 997} w{i}" for i in range(400))[:4096]
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer %s\r\nContent-Length: %%d\r\n\r\n")
+    flags = ["--no-queue-when-saturated", "--stale-request-s", "0.25"] if mode != "fair shares" else []
     pinned = bool(shutil.which("taskset")) and (os.cpu_count() or 1) >= 2
     mine = os.sched_getaffinity(0)
     async with InstantReplica() as rep:
-        router = await RouterProcess.start([rep.url], "--max-queue-wait-s", str(budget), "--no-access-log",
-                                           "--no-queue-when-saturated", "--stale-request-s", "0.25",
+        router = await RouterProcess.start([rep.url], "--max-queue-wait-s", str(budget), "--no-access-log", *flags,
                                            *os.environ.get("KVROUTE_TEST_ROUTER_ARGS", "").split(),
                                            prefix=["taskset", "-c", "0"] if pinned else ())
         if pinned:
             os.sched_setaffinity(0, {1})
-        client = RawClient(router.port, head, body)
+        heavy, light = (RawClient(router.port, head % key, body) for key in (b"heavy-key", b"light-key"))
         try:
             async def closed_loop(seconds: float, connections: int = 128) -> float:
                 stop, statuses = time.perf_counter() + seconds, []
 
                 async def one() -> None:
                     while time.perf_counter() < stop:
-                        statuses.append((await client.send())[0])
+                        statuses.append((await heavy.send())[0])
 
                 started = time.perf_counter()
                 await asyncio.gather(*(one() for _ in range(connections)))
@@ -398,22 +404,29 @@ async def test_a_router_saturated_at_twice_its_capacity_serves_at_an_even_pace_a
             rate, duration = 2 * capacity, 4.0
             start = time.perf_counter() + 0.05
 
-            async def at(t: float) -> tuple[int, float, bytes]:
+            async def at(client: RawClient, t: float) -> tuple[int, float, bytes]:
                 await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
                 return await client.send()
 
-            results = await asyncio.gather(*(at(i / rate) for i in range(int(rate * duration))))
+            light_every = 11  # one request in 11 is the light tenant's: 10x less than the heavy one
+            results = await asyncio.gather(*(at(light if i % light_every == 0 else heavy, i / rate)
+                                             for i in range(int(rate * duration))))
         finally:
             os.sched_setaffinity(0, mine)
-            client.close()
+            heavy.close()
+            light.close()
             await router.stop()
 
     served = sorted(elapsed for status, elapsed, _ in results if status == 200)
     refused = sorted(elapsed for status, elapsed, _ in results if status == 429)
+    light_statuses = [status for status, _, _ in results[::light_every]]
+    light_refused = light_statuses.count(429) / len(light_statuses)
+    heavy_refused = 1 - (len(served) - light_statuses.count(200)) / (len(results) - len(light_statuses))
     q = (lambda xs, p: round(xs[min(len(xs) - 1, int(p * len(xs)))] * 1000) if xs else None)
-    print(f"capacity {capacity:.0f} req/s, offered {rate:.0f}: served {len(served)} p50 {q(served, 0.5)} ms "
+    print(f"{mode}: capacity {capacity:.0f} req/s, offered {rate:.0f}: served {len(served)} p50 {q(served, 0.5)} ms "
           f"p99 {q(served, 0.99)} ms; refused {len(refused)} p50 {q(refused, 0.5)} ms p99 {q(refused, 0.99)} ms; "
-          f"other {len(results) - len(served) - len(refused)}")
+          f"other {len(results) - len(served) - len(refused)}; refused of light {light_refused:.0%}, "
+          f"of heavy {heavy_refused:.0%}")
     p50 = served[len(served) // 2]
     assert len(served) + len(refused) == len(results)  # no connection dropped, no 5xx
     assert len(refused) > len(results) // 5  # saturated: the excess refused
@@ -428,6 +441,8 @@ async def test_a_router_saturated_at_twice_its_capacity_serves_at_an_even_pace_a
     assert refused[int(0.9 * len(refused))] <= budget
     assert p99(served) <= budget  # no served request waited past it (before: 3.6-6.5 s)
     assert p99(served) <= 3 * p50 + 1.0, (p50, p99(served))
+    if mode == "fair shares":  # the heavy tenant's excess refused, not the light tenant's requests
+        assert light_refused <= 0.1 < heavy_refused, (light_refused, heavy_refused)
 
 
 async def test_a_request_that_waited_in_the_kernel_is_refused_but_a_pipelined_one_is_not():

@@ -25,8 +25,10 @@ from kvroute.common.errors import ApiError
 from kvroute.common.tokens.tokenizer import pool_backlog
 
 from kvroute.router.edge.forwarded import ClientAddress
+from kvroute.router.edge.overload.door import Door
 from kvroute.router.edge.overload.queue import AdmissionQueue, overloaded
 from kvroute.router.edge.overload.saturation import Saturation, accept_backlog, kernel_wait_s
+from kvroute.router.edge.overload.shares import TenantShares
 from kvroute.router.edge.overload.tenants import PRIORITY_HEADER, Priority, body_fields, header_priority, priority_of, tenant_of
 from kvroute.router.metrics import RouterMetrics
 
@@ -64,6 +66,7 @@ class Admission:
         saturated_loop_lag_s: float = 0.0,
         queue_when_saturated: bool = True,
         stale_request_s: float = 0.0,
+        fair_share_when_short: bool = True,
         tenant_weights: Mapping[str, float] | None = None,
         client_address: ClientAddress | None = None,
     ):
@@ -79,10 +82,17 @@ class Admission:
         self.queueing = max_queue_wait_s > 0
         self.queue_when_saturated = queue_when_saturated
         self.stale_request_s = stale_request_s
+        # fair shares of a router short of CPU, enforced at the door (overload/shares.py, door.py)
+        self.shares = TenantShares(tenant_weights) if self.queueing and fair_share_when_short else None
         self.saturation = Saturation(
             max_in_flight=max_in_flight, max_loop_lag_s=saturated_loop_lag_s if self.queueing else 0.0,
             in_flight=lambda: self.in_flight, queued=lambda: len(self.queue), pool_backlog=pool_backlog,
             pool_threads=os.cpu_count() or 2, on_tick=self._on_tick, drain_window_s=max_queue_wait_s,
+            backlog_saturates=not queue_when_saturated, shares=self.shares,
+        )
+        self.door = None if self.shares is None else Door(
+            self.shares, self.client_address, retry_after_s, on_refused=self._refused_at_door,
+            saw_wait=self.saturation.saw_wait, late_s=max_queue_wait_s,
         )
         self.queue = AdmissionQueue(
             max_wait_s=max_queue_wait_s, max_length=max_queue_length, weights=tenant_weights or {},
@@ -96,9 +106,8 @@ class Admission:
         """Watch the loop's lag, the tokenizer pool and the accept queue of the ``listeners`` (with a
         queue: without one nothing waits for them)."""
         sockets = list(listeners or [])
-        if not self.queue_when_saturated:  # the accept queue is a saturation signal only where it refuses
-            self.saturation.accept_backlog = lambda: accept_backlog(sockets)
         if self.queueing:
+            self.saturation.accept_backlog = lambda: accept_backlog(sockets)
             self.saturation.start()
 
     def stop(self) -> None:
@@ -111,8 +120,13 @@ class Admission:
     def _below_limit(self) -> bool:
         return self.in_flight < self.limit()
 
+    def _refused_at_door(self, reason: str, priority: Priority) -> None:
+        self.metrics.overload.shed(reason, priority)
+        self.metrics.requests.labels("unknown", "none", "429").inc()
+
     def _on_tick(self) -> None:
         self.metrics.overload.limit.set(self.limit())
+        self.metrics.overload.share_rate.set(self.shares.rate if self.shares is not None else 0.0)
         self.metrics.overload.loop_lag.set(self.saturation.lag_s)
         self.queue.poke()  # the limit may have gone up
 
@@ -141,11 +155,12 @@ class Admission:
         turn in the queue; a 429 ``router_overloaded`` when its wait would pass the budget, when it
         is stale, or when it finds no room on a router short of CPU (the module's rule)."""
         header = header_priority(request.headers.get(PRIORITY_HEADER)) if request is not None else None
-        if self.queueing and self.stale_request_s > 0 and request is not None and request.transport is not None:
+        if self.queueing and request is not None and request.transport is not None:
             protocol = request.protocol  # server.py's ClientHandler: when it read, when it was ready to
             waited = kernel_wait_s(request.transport.get_extra_info("socket"), getattr(protocol, "heard_at", 0.0),
                                    getattr(protocol, "ready_at", 0.0))
-            if waited > self.stale_request_s:  # it waited in the kernel for the router to read it
+            self.saturation.saw_wait(waited)  # the standing wait: short of CPU (saturation.py)
+            if 0 < self.stale_request_s < waited:  # it waited in the kernel for the router to read it
                 self.saturation.saw_stale()
                 self.metrics.overload.shed("stale", header or Priority.NORMAL)
                 raise overloaded(f"the router is saturated: this request waited {waited:.2f} s before it was read; "

@@ -32,11 +32,14 @@ class ClientAddress:
         return any(ip in net for net in self.trusted)
 
     def of(self, request: web.Request) -> str | None:
-        peer = request.remote
+        return self.resolve(request.remote, request.headers.getall("X-Forwarded-For", []))
+
+    def resolve(self, peer: str | None, forwarded_for: Sequence[str]) -> str | None:
+        """The client, from the peer's address and the request's ``X-Forwarded-For`` headers in order."""
         if not self.trusted or peer is None or not self._is_trusted(peer):
             return peer
         client = peer
-        for header in reversed(request.headers.getall("X-Forwarded-For", [])):
+        for header in reversed(forwarded_for):
             for hop in reversed(header.split(",")):
                 hop = hop.strip()
                 try:

@@ -41,6 +41,8 @@ from prometheus_client import CollectorRegistry, Counter
 from kvroute.common.errors import ApiError, error_body, error_response
 
 from kvroute.router.edge.connections import ConnectionBook, ConnectionMetrics
+from kvroute.router.edge.overload.door import Door
+from kvroute.router.edge.overload.saturation import kernel_wait_s
 
 log = logging.getLogger("kvroute.router")
 
@@ -122,6 +124,8 @@ class ClientLimits:
     # client connections held open at most (0: no cap), see connections.py; counted there
     max_connections: int = 0
     connection_metrics: ConnectionMetrics | None = None
+    # refuses a tenant's requests over its fair share while the router is short of CPU (overload/door.py)
+    door: Door | None = None
 
 
 def count_timeouts(registry: CollectorRegistry) -> Callable[[str], None]:
@@ -163,7 +167,7 @@ class ClientHandler(RequestHandler):
 
     __slots__ = (
         "_limits", "_head_timer", "_head_bytes", "_heads_before", "_body", "_body_timer", "_last_body", "_book",
-        "_lingering", "heard_at", "ready_at",
+        "_lingering", "heard_at", "ready_at", "_answered",
     )
 
     def __init__(self, manager: Server, *, limits: ClientLimits, **kwargs: Any):
@@ -178,6 +182,7 @@ class ClientHandler(RequestHandler):
         # when it finished answering its last request (aiohttp reads no further request before): a
         # pipelined request waits in the kernel for the one before it, not for a busy router
         self.ready_at = 0.0
+        self._answered = 0  # requests answered: with _request_count, whether one is still unanswered
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = False  # bytes of a head not yet complete have arrived
         self._heads_before = 0  # requests parsed when the header timer was armed
@@ -232,6 +237,7 @@ class ClientHandler(RequestHandler):
         nothing of it queued or arriving, its request's body read, not closing."""
         result = await super().finish_response(request, resp, start_time)
         self.ready_at = time.monotonic()
+        self._answered += 1
         if (
             self._book is not None and not self._messages and not self._head_bytes and request.content.is_eof()
             and not self._close and not self._force_close
@@ -262,6 +268,11 @@ class ClientHandler(RequestHandler):
             if self._lingering is not None:
                 self._lingering.heard(len(data))
             return
+        door = self._limits.door
+        if door is not None and door.shares.active and self._at_boundary():
+            data = self._through_door(door, data)
+            if not data:
+                return
         if self._body is None and data:
             self._arm_head()  # the first bytes of a new request (or more of its head)
             self._head_bytes = True
@@ -296,6 +307,43 @@ class ClientHandler(RequestHandler):
             self._body = payload
             if self._limits.body_timeout_s > 0:
                 self._body_timer = self._loop.call_later(self._limits.body_timeout_s, self._body_timed_out)
+
+    def _at_boundary(self) -> bool:
+        """The next bytes start a request and every request before it is answered (so that an
+        answer written now is in order): nothing of a head or body pending, nothing queued."""
+        return (
+            self._body is None and not self._head_bytes and not self._messages and self._answered == self._request_count
+            and self._payload_parser is None and not self._upgraded
+        )
+
+    def _through_door(self, door: Door, data: bytes) -> bytes:
+        """The door's refusals of the requests at the start of ``data``; what is left for aiohttp."""
+        assert self.transport is not None
+        sock = self.transport.get_extra_info("socket")
+        while data:
+            refusal = door.judge(data, self._peer(), kernel_wait_s(sock, self.heard_at, self.ready_at))
+            if refusal is None:
+                return data
+            self.transport.write(refusal.answer)
+            self.ready_at = time.monotonic()
+            if not refusal.consumed:  # its body is still arriving: close once the client is done
+                self._cancel_head()
+                self.close()
+                self.linger()
+                self.transport.close()
+                return b""
+            data = data[refusal.consumed:]
+            # answered: quiet from here, the connection is as a new one (the header timeout, not the keep-alive)
+            if self._keepalive_handle is not None:
+                self._keepalive_handle.cancel()
+                self._keepalive_handle = None
+            self._cancel_head()
+            self._arm_head()
+        return data
+
+    def _peer(self) -> str | None:
+        peername = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return peername[0] if isinstance(peername, tuple) else None
 
     def close_after(self, body: StreamReader) -> None:
         """Close the connection once the request with this ``body`` is answered (its answer says

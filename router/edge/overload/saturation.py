@@ -34,11 +34,16 @@ counts the router saturated for two ticks, as CoDel judges a queue by the time s
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
 import time
 from collections import deque
 from collections.abc import Callable
+
+from kvroute.router.edge.overload.shares import STANDING_WAIT_S, TenantShares
+
+log = logging.getLogger("kvroute.router")
 
 TICK_S = 0.05
 MIN_LIMIT = 32  # a floor: a lag from elsewhere (a busy shared core) never throttles a lightly loaded router
@@ -52,6 +57,9 @@ MIN_DRAIN_SAMPLES = 8
 # socket's accept queue length), tcpi_last_data_recv at 52 (ms since data last arrived)
 _UNACKED, _LAST_DATA_RECV = 24, 52
 ACCEPT_BACKLOG = 64  # connections waiting to be accepted: more, on two ticks in a row, is saturation
+ACCEPT_BACKLOG_SHARING = 16  # ... and more, on one tick, while fair shares are on (shares.py)
+DRAINING = 0.95  # the kernel's queue is draining when it is this much of the last tick's, or less
+THROUGHPUT_SMOOTHING = 0.2  # weight of a tick's finished requests in the throughput (~0.25 s)
 STALE_S = 0.25  # --stale-request-s to use with --no-queue-when-saturated: a request read this long after its last byte reached the kernel is stale
 
 
@@ -96,6 +104,8 @@ class Saturation:
         on_tick: Callable[[], None],
         drain_window_s: float = DRAIN_WINDOW_S,
         accept_backlog: Callable[[], int] = lambda: 0,
+        backlog_saturates: bool = False,
+        shares: TenantShares | None = None,
     ):
         self.max_in_flight = max_in_flight
         self.max_loop_lag_s = max_loop_lag_s
@@ -109,6 +119,13 @@ class Saturation:
         self._pool_backlog, self._max_backlog = pool_backlog, BACKLOG_PER_THREAD * max(1, pool_threads)
         self._on_tick = on_tick
         self.accept_backlog = accept_backlog  # set by Admission.start: the listening sockets
+        self.backlog_saturates = backlog_saturates  # the accept queue lowers the limit (else: shares only)
+        self.shares = shares  # fair shares while short of CPU (shares.py), ticked here
+        self.throughput: float | None = None  # requests finished per second, smoothed; None: not yet
+        self._least_wait: float | None = None  # the least kernel wait of a request read this tick
+        self._standing = 0  # ticks in a row on which every request read had waited STANDING_WAIT_S
+        self._last_least_wait: float | None = None
+        self.draining = False  # short of CPU, and the kernel's queue shrank on the last tick
         self.backlog = 0  # connections waiting to be accepted, the last tick
         self._backlogged = 0  # ticks in a row with more than ACCEPT_BACKLOG
         self.stale_ticks = 0  # ticks left during which a stale request seen counts as saturation
@@ -128,7 +145,23 @@ class Saturation:
     def saturated(self) -> bool:
         lagging = self.max_loop_lag_s > 0 and self.lag_s > self.max_loop_lag_s
         stale = self.stale_ticks > 0
-        return lagging or stale or self._backlogged >= 2 or self._pool_backlog() > self._max_backlog
+        backlogged = self.backlog_saturates and self._backlogged >= 2
+        return lagging or stale or backlogged or self._pool_backlog() > self._max_backlog
+
+    def short_of_cpu(self) -> bool:
+        """Requests wait in the kernel to be read (a standing wait, or a long accept queue): the
+        signal of the fair shares (shares.py).  Not the loop's lag nor the tokenizer pool: a closed
+        loop of clients saturates both at the router's capacity, and refusing it would gain nothing
+        (each client sends its next request at once); a queue in the kernel grows only when more
+        comes than the router reads."""
+        if self.shares is not None and self.shares.active and self.backlog > ACCEPT_BACKLOG_SHARING:
+            return True  # with shares on, any queue of connections is the next burst: react on its first tick
+        return self._standing >= 2 or self._backlogged >= 2
+
+    def saw_wait(self, waited_s: float) -> None:
+        """A request was read ``waited_s`` after its last bytes reached the kernel (kernel_wait_s)."""
+        if self._least_wait is None or waited_s < self._least_wait:
+            self._least_wait = waited_s
 
     def saw_stale(self) -> None:
         """A request reached admission stale (``STALE_S`` after its last byte): saturated for 2 ticks."""
@@ -139,11 +172,32 @@ class Saturation:
         elapsed = now - self._last
         self.lag_s = LAG_SMOOTHING * max(0.0, elapsed - TICK_S) + (1 - LAG_SMOOTHING) * self.lag_s
         self._last = now
+        backlog_then, wait_then, least_wait = self.backlog, self._last_least_wait, self._least_wait
         self.backlog = self.accept_backlog()
         self._backlogged = self._backlogged + 1 if self.backlog > ACCEPT_BACKLOG else 0
+        # a tick on which nothing was read ends a standing wait (a router that reads nothing because it
+        # is stuck lags instead; one that has nothing to read is not short)
+        self._standing = self._standing + 1 if least_wait is not None and least_wait > STANDING_WAIT_S else 0
+        self._last_least_wait, self._least_wait = least_wait, None
+        # the kernel's queue shrinks (each signal that is on, by DRAINING a tick): the router reads
+        # faster than requests come, so the shares' rate holds instead of coming down further
+        shrinking = []
+        if self._backlogged >= 2:
+            shrinking.append(self.backlog <= DRAINING * backlog_then)
+        if self._standing >= 2 and least_wait is not None and wait_then is not None:
+            shrinking.append(least_wait <= DRAINING * wait_then)
+        self.draining = bool(shrinking) and all(shrinking)
+        if self.shares is not None and self.shares.active and log.isEnabledFor(logging.DEBUG):
+            log.debug("saturation: least kernel wait %s, standing %d, accept backlog %d, draining %s, lag %.3f",
+                      least_wait, self._standing, self.backlog, self.draining, self.lag_s)
         saturated = self.saturated()
         self.stale_ticks = max(0, self.stale_ticks - 1)
         finished, self._finished_then = self.finished - self._finished_then, self.finished
+        rate = finished / elapsed if elapsed > 0 else 0.0
+        self.throughput = rate if self.throughput is None else (
+            THROUGHPUT_SMOOTHING * rate + (1 - THROUGHPUT_SMOOTHING) * self.throughput)
+        if self.shares is not None:
+            self.shares.tick(self.short_of_cpu(), self.throughput, elapsed, time.monotonic(), draining=self.draining)
         if self._queued():  # the drain rate is only worth knowing while requests wait
             self._drained.append((now, elapsed, finished))
         while self._drained and self._drained[0][0] < now - self._drain_window_s:

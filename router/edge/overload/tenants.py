@@ -56,6 +56,9 @@ class _Fields(msgspec.Struct):
     service_tier: Any = None
 
 
+NO_FIELDS = _Fields()
+
+
 def body_fields(raw: bytes) -> _Fields:
     try:
         return msgspec.json.decode(raw, type=_Fields)

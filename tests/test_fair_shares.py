@@ -1,0 +1,158 @@
+"""Fair shares of a router short of CPU (router/edge/overload/shares.py) and the door that enforces
+them (door.py): the split as a pure function, the rate's control, and the door's refusals on real
+connections to a real router, read byte by byte and with the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.router.edge.forwarded import ClientAddress
+from kvroute.router.edge.overload.door import Door
+from kvroute.router.edge.overload.shares import DECREASE, FLOOR, START, TenantShares, fair_shares
+from kvroute.router.edge.overload.tenants import Priority
+from tests.router_support import MODEL, openai_client, running_router, sample, scrape
+from tests.test_router_overload import PacedReplica
+
+rates = st.dictionaries(st.text(min_size=1, max_size=4), st.floats(0.0, 1e4), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rates, st.floats(0.0, 2e4), st.dictionaries(st.text(min_size=1, max_size=4), st.floats(0.1, 10.0)))
+def test_fair_shares_split_the_total_max_min(demand, total, weights):
+    shares = fair_shares(demand, total, weights)
+    kept = {t: r for t, r in demand.items() if t not in shares}
+    # nobody limited below what it sends, and the total is never exceeded
+    assert all(shares[t] < demand[t] for t in shares)
+    assert sum(kept.values()) + sum(shares.values()) <= total * (1 + 1e-9) + 1e-9
+    if shares:  # limited tenants split what the others leave, by weight, and get at least their rate's worth
+        per = {t: shares[t] / weights.get(t, 1.0) for t in shares}
+        assert max(per.values()) - min(per.values()) <= 1e-6 * max(1.0, max(per.values()))
+        level = min(per.values())
+        assert all(r / weights.get(t, 1.0) <= level * (1 + 1e-9) + 1e-9 for t, r in kept.items())
+        assert sum(kept.values()) + sum(shares.values()) == pytest.approx(total, rel=1e-6, abs=1e-6)
+    else:  # nobody over: everyone sends no more than the total allows
+        assert sum(demand.values()) <= total * (1 + 1e-9) + 1e-9
+
+
+def test_fair_shares_weights_and_a_light_tenant_kept_whole():
+    assert fair_shares({"light": 10, "heavy": 1000}, 100, {}) == {"heavy": 90}
+    assert fair_shares({"a": 500, "b": 500}, 100, {"a": 3}) == {"a": 75, "b": 25}
+    assert fair_shares({"a": 10, "b": 20}, 100, {}) == {}
+
+
+def run(shares: TenantShares, tenant: str, n: int, at: float) -> int:
+    return sum(shares.allow(tenant, at) for _ in range(n))
+
+
+def test_shares_start_short_of_cpu_limit_the_heavy_tenant_and_end_when_the_rate_is_plenty():
+    shares, now = TenantShares(), 100.0
+    assert run(shares, "heavy", 50, now) == 50  # not active: everyone in, nothing counted
+    shares.tick(False, 400.0, 0.05, now)
+    assert not shares.active
+    shares.tick(True, 400.0, 0.05, now)  # short of CPU: the rate starts below the throughput
+    assert shares.active and shares.rate == pytest.approx(400 * START)
+    # a tick's arrivals: heavy at 1,000 req/s, light at 40; still short, so the rate comes down
+    run(shares, "heavy", 50, now), run(shares, "light", 2, now)
+    shares.tick(True, 400.0, 0.05, now)
+    assert shares.rate == pytest.approx(400 * START * DECREASE)
+    assert shares.share_of("light") is None and shares.share_of("heavy") == pytest.approx(shares.rate - 40)
+    # the heavy tenant gets its share's worth over a second, the light one all it sends
+    admitted = sum(run(shares, "heavy", 20, now + i / 50) for i in range(50))
+    assert admitted == pytest.approx(shares.share_of("heavy"), rel=0.1)
+    assert run(shares, "light", 40, now + 1.0) == 40
+    # short of CPU for long: the rate stops at its floor
+    for i in range(200):
+        shares.tick(True, 400.0, 0.05, now + 1 + i * 0.05)
+    assert shares.rate == pytest.approx(400 * START * FLOOR)
+    # no longer short: the rate climbs until it is well above what is sent, then the shares end
+    for i in range(400):
+        shares.tick(False, 400.0, 0.05, now + 20 + i * 0.05)
+    assert not shares.active and run(shares, "heavy", 100, now + 60) == 100
+
+
+def label(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def chat_bytes(content: str, key: str | None = None, *, cut: int = 0) -> bytes:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
+    auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
+    whole = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+             b"Content-Length: %d\r\n\r\n" % (auth, len(body))) + body
+    return whole[:len(whole) - cut]
+
+
+def test_the_door_names_tenants_as_the_queue_does_and_lets_other_requests_by():
+    shares = TenantShares()
+    refused: list[Priority] = []
+    door = Door(shares, ClientAddress(), retry_after_s=2, on_refused=refused.append)
+    shares.tick(True, 100.0, 0.05, 0.0)
+    for data in (chat_bytes("x", "k1"), chat_bytes("x", "k1"), chat_bytes("x")):
+        assert door.judge(data, "10.0.0.1") is None  # first tick: counted, nobody limited yet
+    user = json.dumps({"model": MODEL, "messages": [], "user": "alice"}).encode()
+    assert door.judge(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(user) + user, "10.0.0.2") is None
+    shares.tick(True, 100.0, 0.05, 0.05)
+    assert set(shares.rates()) == {label("k1"), "addr:10.0.0.1", "user:alice"}
+    for data in (b"GET /v1/models HTTP/1.1\r\n\r\n", b"POST /admin/replicas/drain HTTP/1.1\r\n\r\n", b"POST /v1/chat/comp"):
+        assert door.judge(data, "10.0.0.1") is None  # not a generation request, or not a whole head
+    assert not refused
+
+
+async def test_a_tenant_over_its_share_is_refused_at_the_door_and_its_connection_kept():
+    """Shares made active by hand (the router's own ticks stopped): the heavy tenant over its share
+    gets 429 router_overloaded with Retry-After on the same keep-alive connection, in order with a
+    pipelined request of another tenant that is served; a refused request whose body is still
+    arriving gets its 429 and the connection closes; the official client sees a RateLimitError."""
+
+    async def answer(reader: asyncio.StreamReader) -> tuple[int, bytes, dict]:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        return int(head.split(None, 2)[1]), head.lower(), json.loads(await reader.readexactly(length))
+
+    async with PacedReplica(delay_s=0.0) as rep, running_router([rep.url], retry_after_s=3) as app:
+        shares, saturation = app.admission.shares, app.admission.saturation
+        assert shares is not None
+        saturation.stop()  # the ticks are this test's
+        shares.tick(True, 2.0, 0.05, time.monotonic())  # a rate of 1.8 req/s
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+        for _ in range(10):  # counted on the first tick: 200 req/s against a rate of 1.8
+            writer.write(chat_bytes("heavy", "heavy-key"))
+            assert (await answer(reader))[0] == 200
+        shares.tick(True, 2.0, 0.05, time.monotonic())
+        assert shares.share_of(label("heavy-key")) is not None
+        statuses = []
+        for _ in range(6):
+            writer.write(chat_bytes("heavy", "heavy-key"))
+            status, head, body = await answer(reader)
+            statuses.append(status)
+            if status == 429:
+                assert body["error"]["code"] == "router_overloaded" and b"retry-after: 3" in head
+                assert b"connection: close" not in head and "fair share" in body["error"]["message"]
+        assert statuses.count(429) >= 5, statuses  # a bucket of one request, refilled at ~1.7 a second
+        # pipelined: the heavy one refused, then the light one served, answers in order
+        writer.write(chat_bytes("heavy", "heavy-key") + chat_bytes("light", "light-key"))
+        assert [(await answer(reader))[0], (await answer(reader))[0]] == [429, 200]
+        assert rep.order[-1] == "light"
+        # a refused request whose body is still arriving: its 429, then the connection closes
+        writer.write(chat_bytes("heavy", "heavy-key", cut=5))
+        await writer.drain()
+        status, head, _ = await answer(reader)
+        assert status == 429 and b"connection: close" in head
+        writer.write(chat_bytes("heavy", "heavy-key")[-5:])
+        assert await reader.read() == b""
+        writer.close()
+        with pytest.raises(openai.RateLimitError) as refused:
+            await openai_client(app, api_key="heavy-key").chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "heavy"}])
+        assert refused.value.body["code"] == "router_overloaded"
+        samples = await scrape(app.url)
+    assert sample(samples, "kvroute_shed_requests_total", reason="over_share", priority="normal") == statuses.count(429) + 3
+    assert sample(samples, "kvroute_fair_share_rate") is not None
