@@ -159,6 +159,7 @@ class RouterApp:
             queue_when_saturated=s.queue_when_saturated,
             stale_request_s=s.stale_request_s,
             fair_share_when_short=s.fair_share_when_short,
+            fair_slot_reserve=s.fair_slot_reserve,
             tenant_weights=s.tenant_weights,
             client_address=self.client_address,
         )

@@ -233,6 +233,12 @@ class RouterSettings(BaseSettings):
         "answered 429 router_overloaded at the door, before they cost a handler (with a queue only; "
         "design.md §7.6)"
     )
+    fair_slot_reserve: float = Field(
+        1 / 16, ge=0, lt=1, description="share of the admission limit kept, while several tenants send, for "
+        "tenants holding less than their fair share of it: a light tenant's request finds a slot at once "
+        "instead of waiting for one of a heavy tenant's to end; the kept slots idle while only the heavy "
+        "tenant waits for them (0: none kept; from 4 slots, at least one; design.md §7.6)"
+    )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict, description="a tenant's share of a saturated router against the others' (default "
         "1); tenants are named key-<first 10 hex of the key's sha256>, user:<user field> or addr:<client address>",

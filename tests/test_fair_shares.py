@@ -156,3 +156,35 @@ async def test_a_tenant_over_its_share_is_refused_at_the_door_and_its_connection
         samples = await scrape(app.url)
     assert sample(samples, "kvroute_shed_requests_total", reason="over_share", priority="normal") == statuses.count(429) + 3
     assert sample(samples, "kvroute_fair_share_rate") is not None
+
+
+def test_slots_kept_for_a_tenant_under_its_share_while_several_send():
+    from kvroute.router.edge.overload.reserve import RECENT_S, SlotShares, reserve_of
+
+    assert [reserve_of(n) for n in (2, 3, 4, 16, 32, 64, 1024)] == [0, 0, 1, 1, 2, 4, 64]
+    assert reserve_of(64, 0.0) == 0
+    slots, now = SlotShares({"gold": 3.0}), 10.0
+    slots.saw("heavy", now)
+    for _ in range(31):
+        slots.took("heavy")
+    assert slots.may_take("heavy", 31, 32, now)  # alone: every slot is its
+    slots.saw("light", now + 0.1)
+    assert not slots.may_take("heavy", 31, 32, now + 0.1)  # two send: the last 2 are kept
+    assert slots.may_take("heavy", 29, 32, now + 0.1)  # more than 2 free: anyone's
+    assert slots.may_take("light", 31, 32, now + 0.1) and not slots.may_take("light", 32, 32, now + 0.1)
+    for _ in range(16):
+        slots.took("light")
+    assert not slots.may_take("light", 31, 32, now + 0.1)  # at its share (16 of 32): no more of the kept ones
+    # weights: gold's share is 3/5 of 32 beside two others of weight 1
+    slots.saw("gold", now + 0.2)
+    for _ in range(19):
+        slots.took("gold")
+    assert slots.may_take("gold", 31, 32, now + 0.3)  # 19 < 19.2
+    slots.took("gold")
+    assert not slots.may_take("gold", 31, 32, now + 0.3)
+    for _ in range(20):
+        slots.gave_back("gold")
+    assert "gold" not in slots.held
+    # the others gone quiet: after RECENT_S the heavy tenant has every slot again
+    slots.saw("heavy", now + RECENT_S + 1)
+    assert slots.may_take("heavy", 31, 32, now + RECENT_S + 1)

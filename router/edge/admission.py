@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable, Mapping
 
 from aiohttp import web
@@ -28,8 +29,9 @@ from kvroute.router.edge.forwarded import ClientAddress
 from kvroute.router.edge.overload.door import Door
 from kvroute.router.edge.overload.queue import AdmissionQueue, overloaded
 from kvroute.router.edge.overload.saturation import Saturation, accept_backlog, kernel_wait_s
+from kvroute.router.edge.overload.reserve import RESERVE_FRACTION, SlotShares
 from kvroute.router.edge.overload.shares import TenantShares
-from kvroute.router.edge.overload.tenants import PRIORITY_HEADER, Priority, body_fields, header_priority, priority_of, tenant_of
+from kvroute.router.edge.overload.tenants import NO_FIELDS, PRIORITY_HEADER, Priority, body_fields, header_priority, priority_of, tenant_of
 from kvroute.router.metrics import RouterMetrics
 
 log = logging.getLogger("kvroute.router")
@@ -67,6 +69,7 @@ class Admission:
         queue_when_saturated: bool = True,
         stale_request_s: float = 0.0,
         fair_share_when_short: bool = True,
+        fair_slot_reserve: float = RESERVE_FRACTION,
         tenant_weights: Mapping[str, float] | None = None,
         client_address: ClientAddress | None = None,
     ):
@@ -99,7 +102,8 @@ class Admission:
             retry_after_s=retry_after_s, drain_rate=lambda: self.saturation.drain_rate, take=self._take,
             give_back=self.release, metrics=metrics.overload,
         )
-        self.queue.add_condition(self._below_limit)
+        self.slots = SlotShares(tenant_weights, fair_slot_reserve)  # who holds how many, for the room kept for the others
+        self.queue.add_condition(self._room_for)
         metrics.overload.limit.set(max_in_flight)
 
     def start(self, listeners: list[socket.socket] | None = None) -> None:
@@ -117,8 +121,10 @@ class Admission:
         """Requests admitted at once: ``max_in_flight``, lowered while the router is saturated."""
         return min(self.max_in_flight, int(self.saturation.limit)) if self.queueing else self.max_in_flight
 
-    def _below_limit(self) -> bool:
-        return self.in_flight < self.limit()
+    def _room_for(self, tenant: str) -> bool:
+        if not self.queueing:
+            return self.in_flight < self.max_in_flight
+        return self.slots.may_take(tenant, self.in_flight, self.limit(), time.monotonic())
 
     def _refused_at_door(self, reason: str, priority: Priority) -> None:
         self.metrics.overload.shed(reason, priority)
@@ -150,10 +156,11 @@ class Admission:
                 401, "missing or invalid admin token", code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"}
             )
 
-    async def admit(self, request: web.Request | None = None, body: bytes = b"", api_key: str | None = None) -> None:
+    async def admit(self, request: web.Request | None = None, body: bytes = b"", api_key: str | None = None) -> str:
         """One more request in flight: at once when there is room and nobody waits, else after its
         turn in the queue; a 429 ``router_overloaded`` when its wait would pass the budget, when it
-        is stale, or when it finds no room on a router short of CPU (the module's rule)."""
+        is stale, or when it finds no room on a router short of CPU (the module's rule).  Returns
+        its tenant, to hand back to :meth:`release`."""
         header = header_priority(request.headers.get(PRIORITY_HEADER)) if request is not None else None
         if self.queueing and request is not None and request.transport is not None:
             protocol = request.protocol  # server.py's ClientHandler: when it read, when it was ready to
@@ -165,10 +172,16 @@ class Admission:
                 self.metrics.overload.shed("stale", header or Priority.NORMAL)
                 raise overloaded(f"the router is saturated: this request waited {waited:.2f} s before it was read; "
                                  "retry shortly", self.retry_after_s)
-        if not len(self.queue) and self.queue.has_room():
-            self._take()
+        tenant, fields = "", NO_FIELDS
+        if self.queueing:  # whose it is: the queue's order and the room kept for the others
+            fields = body_fields(body)
+            address = self.client_address.of(request) if request is not None else None
+            tenant = tenant_of(api_key, fields, address)
+            self.slots.saw(tenant, time.monotonic())
+        if not len(self.queue) and self.queue.has_room(tenant):
+            self._take(tenant)
             self.metrics.overload.queue_wait.observe(0.0)  # the histogram counts every admitted request
-            return
+            return tenant
         if not self.queueing:
             self.metrics.overload.shed("no_queue", header or Priority.NORMAL)
             raise overloaded(f"the router has {self.in_flight} requests in flight, its limit; retry shortly",
@@ -178,16 +191,18 @@ class Admission:
             self.metrics.overload.shed("saturated", header or Priority.NORMAL)
             raise overloaded("the router is saturated (its CPU: the event loop lags, or the tokenizer pool is "
                              f"backed up) with {self.in_flight} requests in flight; retry shortly", self.retry_after_s)
-        fields = body_fields(body)
-        address = self.client_address.of(request) if request is not None else None
-        await self.queue.wait(tenant_of(api_key, fields, address), priority_of(header, fields))
+        await self.queue.wait(tenant, priority_of(header, fields))
+        return tenant
 
-    def _take(self) -> None:
+    def _take(self, tenant: str) -> None:
         self.in_flight += 1
+        self.slots.took(tenant)
         self.metrics.in_flight.inc()
 
-    def release(self) -> None:
+    def release(self, tenant: str = "") -> None:
+        """A request admitted for ``tenant`` (what :meth:`admit` returned) is done."""
         self.in_flight -= 1
+        self.slots.gave_back(tenant)
         self.metrics.in_flight.dec()
         self.saturation.finished += 1
         if self.in_flight == 0:

@@ -174,14 +174,14 @@ class Handlers:
         try:
             api_key = self.admission.check_client(request)
             raw = await self.bodies.read(request)  # before admission: a slow body holds no slot
-            await self.admission.admit(request, raw, api_key)  # may queue (overload/queue.py)
+            tenant = await self.admission.admit(request, raw, api_key)  # may queue (overload/queue.py)
         except (ApiError, web.HTTPException) as exc:  # 400, 401, 408, 413, 429: counted, nothing to undo
             self.metrics.requests.labels("unknown", "none", str(exc.status)).inc()
             raise
         try:
             return await self._routed(request, kind, raw, api_key, started)
         finally:
-            self.admission.release()
+            self.admission.release(tenant)
 
     async def _routed(
         self, request: web.Request, kind: Kind, raw: bytes, api_key: str | None, started: float
@@ -315,7 +315,7 @@ class Handlers:
         """Forwarded as it came (method, path and query, body) to the replicas ``order_of`` names, in turn."""
         api_key = self.admission.check_client(request)
         raw = await self.bodies.read(request)
-        await self.admission.admit(request, raw, api_key)
+        tenant = await self.admission.admit(request, raw, api_key)
         model: str | None = None
         replica: str | None = None
         attempts, status = 0, 0
@@ -353,7 +353,7 @@ class Handlers:
             raise cut_short(exc, ended(503 if self.cutoff.cutting else 499))
         finally:
             self.metrics.requests.labels(model or "unknown", self.metrics.label(replica or "none"), str(status)).inc()
-            self.admission.release()
+            self.admission.release(tenant)
 
     async def _passthrough_order(self, request: web.Request, raw: bytes) -> tuple[str | None, list[str]]:
         model, replicas = self._passthrough_replicas(decode_json_object(raw).get("model"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,18 @@ class FairQueue:
         self._vtime = max(self._vtime, entry.start)
         self._settle()
         return entry
+
+    def first(self, may_go: Callable[[Queued], bool], scan: int) -> Queued | None:
+        """The first of the next ``scan`` entries, in order, that ``may_go`` (room for its tenant)."""
+        for entry in self._entries[:scan]:
+            if may_go(entry):
+                return entry
+        return None
+
+    def take(self, entry: Queued) -> None:
+        """Serve ``entry`` (from :meth:`first`): out of the queue, V at its start tag."""
+        self.remove(entry)
+        self._vtime = max(self._vtime, entry.start)
 
     def last(self) -> Queued | None:
         """The first to shed: the lowest class's largest finish tag."""
