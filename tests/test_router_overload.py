@@ -10,6 +10,7 @@ is asserted is the mechanism (who waited, who was refused, in which order), not 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import logging
@@ -156,6 +157,8 @@ async def test_room_kept_for_the_others_holds_a_light_tenants_p99_within_a_fifth
     delay, slots = 0.4, 32
     pinned = bool(shutil.which("taskset")) and (os.cpu_count() or 1) >= 2
     mine = os.sched_getaffinity(0)
+    gc.collect()
+    gc.freeze()  # what earlier tests left in this process: no full collection of it mid-measurement
     async with PacedReplica(delay_s=delay) as rep:
         router = await RouterProcess.start(
             [rep.url], "--max-in-flight", str(slots), "--max-queue-wait-s", "2.0", "--no-access-log",
@@ -173,6 +176,7 @@ async def test_room_kept_for_the_others_holds_a_light_tenants_p99_within_a_fifth
             heavy_results = await asyncio.gather(*loaded_heavy)
         finally:
             os.sched_setaffinity(0, mine)
+            gc.unfreeze()
             for client in clients:
                 await client.close()
             await router.stop()

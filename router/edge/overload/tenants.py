@@ -4,9 +4,10 @@ Tenant: the API key (as ``key-`` and the first 10 hex digits of its sha256, neve
 the body's ``user`` field (``user:NAME``), else the client's address (``addr:IP``, from
 forwarded.py: X-Forwarded-For only behind a trusted proxy).  ``tenant_weights`` names tenants
 this way.  Priority: the ``X-Kvroute-Priority`` header (high, normal, low; any other value is a
-400), else OpenAI's ``service_tier`` ("priority" high, "flex" low, anything else normal).  Both
-are read only for a request that has to queue: the body's two fields with msgspec, which builds
-nothing else (design.md §7.6).
+400), else OpenAI's ``service_tier`` ("priority" high, "flex" low, anything else normal).  The
+tenant is read for every request while the queue is on (who holds which slots: reserve.py), the
+class for one that has to queue: the body's two fields with msgspec, which builds nothing else
+(design.md §7.6).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ NO_FIELDS = _Fields()
 def body_fields(raw: bytes) -> _Fields:
     try:
         return msgspec.json.decode(raw, type=_Fields)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # nested past msgspec's depth
         return _Fields()  # not a JSON object: the request's own parse answers the 400 once admitted
 
 
