@@ -29,6 +29,11 @@ connection tells how long ago its last bytes came, and so how long they waited b
 read them (:func:`kernel_wait_s`): admission refuses a request that waited over
 ``--stale-request-s`` (``STALE_S``) there (serving it would be late; answering it costs little) and
 counts the router saturated for two ticks, as CoDel judges a queue by the time spent in it.
+
+The same two measures, the accept queue and the time requests waited in the kernel (reported
+for every request: :meth:`Saturation.saw_wait`), say when the router is short of CPU for the
+fair shares (:meth:`Saturation.short_of_cpu`, shares.py), which every tick also gets the
+throughput (requests finished per second, smoothed) and whether the kernel's queue drains.
 """
 
 from __future__ import annotations

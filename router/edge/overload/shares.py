@@ -6,11 +6,13 @@ queue, the sockets' buffers) where the admission queue's fair order cannot act, 
 waits alike, and refusing what arrives late refuses every tenant in proportion to what it sends
 (docs/experiments.md, 2026-12-05).  The excess has to be refused before it costs, and by tenant:
 
-- *Short of CPU* (saturation.py): requests read late (the least kernel wait of a tick over
-  ``STANDING_WAIT_S`` on two ticks in a row: CoDel's standing queue, not one burst), the accept
-  queue long, or the loop lagging.
+- *Short of CPU* (``Saturation.short_of_cpu``): the accept queue long (more than 64 connections
+  on two ticks, more than 16 on one while the shares are on), or requests read late (the least
+  kernel wait of a tick over ``STANDING_WAIT_S`` on two ticks in a row: CoDel's standing queue,
+  not one burst).  Not the loop's lag nor the tokenizer pool: a closed loop of clients saturates
+  both at the router's capacity, and refusing it gains nothing.
 - *A rate for the whole router*: when it becomes short, the rate requests finished at (smoothed
-  over about a second) less 10 %.  While it stays short and the kernel's queue does not shrink,
+  over a quarter of a second) less 10 %.  While it stays short and the kernel's queue does not shrink,
   ``DECREASE`` times the lesser of the rate and what is served now (so that it binds at once: a
   router behind reads fewer requests than come, and a rate above what it reads limits nobody);
   held while the queue shrinks (lower, it would leave the router idle once the queue is gone);
