@@ -122,8 +122,7 @@ class Admission:
         return min(self.max_in_flight, int(self.saturation.limit)) if self.queueing else self.max_in_flight
 
     def _room_for(self, tenant: str) -> bool:
-        if not self.queueing:
-            return self.in_flight < self.max_in_flight
+        """Below the limit, and (reserve.py) not into the slots kept for tenants under their share."""
         return self.slots.may_take(tenant, self.in_flight, self.limit(), time.monotonic())
 
     def _refused_at_door(self, reason: str, priority: Priority) -> None:

@@ -319,18 +319,16 @@ class ClientHandler(RequestHandler):
     def _through_door(self, door: Door, data: bytes) -> bytes:
         """The door's refusals of the requests at the start of ``data``; what is left for aiohttp."""
         assert self.transport is not None
-        sock = self.transport.get_extra_info("socket")
+        sock, peer = self.transport.get_extra_info("socket"), self._peer()
         while data:
-            refusal = door.judge(data, self._peer(), kernel_wait_s(sock, self.heard_at, self.ready_at))
+            refusal = door.judge(data, peer, kernel_wait_s(sock, self.heard_at, self.ready_at))
             if refusal is None:
                 return data
             self.transport.write(refusal.answer)
             self.ready_at = time.monotonic()
             if not refusal.consumed:  # its body is still arriving: close once the client is done
                 self._cancel_head()
-                self.close()
-                self.linger()
-                self.transport.close()
+                self._close_lingering()
                 return b""
             data = data[refusal.consumed:]
             # answered: quiet from here, the connection is as a new one (the header timeout, not the keep-alive)
@@ -375,8 +373,14 @@ class ClientHandler(RequestHandler):
         self.transport.write(
             _raw_error(408, "Request Timeout", f"request headers not received within {t:g} s", "request_timeout")
         )
-        self.close()  # idle (checked above): ends aiohttp's wait for a request
+        self._close_lingering()  # idle (checked above): ends aiohttp's wait for a request
+
+    def _close_lingering(self) -> None:
+        """Close after an answer written at this level (no request object): the client's bytes still
+        arriving are read and dropped first, so that the answer is not destroyed by a reset."""
+        self.close()
         self.linger()
+        assert self.transport is not None
         self.transport.close()
 
     def linger(self) -> None:

@@ -69,10 +69,8 @@ class FairQueue:
 
     def pop(self) -> Queued:
         """The next to serve: the highest class's smallest finish tag."""
-        entry = self._entries.pop(0)
-        del self._keys[0]
-        self._vtime = max(self._vtime, entry.start)
-        self._settle()
+        entry = self._entries[0]
+        self.take(entry)
         return entry
 
     def first(self, may_go: Callable[[Queued], bool], scan: int) -> Queued | None:

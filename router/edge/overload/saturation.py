@@ -46,7 +46,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvroute.router.edge.overload.shares import STANDING_WAIT_S, TenantShares
+from kvroute.router.edge.overload.shares import TenantShares
 
 log = logging.getLogger("kvroute.router")
 
@@ -63,6 +63,7 @@ MIN_DRAIN_SAMPLES = 8
 _UNACKED, _LAST_DATA_RECV = 24, 52
 ACCEPT_BACKLOG = 64  # connections waiting to be accepted: more, on two ticks in a row, is saturation
 ACCEPT_BACKLOG_SHARING = 16  # ... and more, on one tick, while fair shares are on (shares.py)
+STANDING_WAIT_S = 0.05  # a tick whose every request waited this long in the kernel: a standing queue
 DRAINING = 0.95  # the kernel's queue is draining when it is this much of the last tick's, or less
 THROUGHPUT_SMOOTHING = 0.2  # weight of a tick's finished requests in the throughput (~0.25 s)
 STALE_S = 0.25  # --stale-request-s to use with --no-queue-when-saturated: a request read this long after its last byte reached the kernel is stale

@@ -8,7 +8,7 @@ waits alike, and refusing what arrives late refuses every tenant in proportion t
 
 - *Short of CPU* (``Saturation.short_of_cpu``): the accept queue long (more than 64 connections
   on two ticks, more than 16 on one while the shares are on), or requests read late (the least
-  kernel wait of a tick over ``STANDING_WAIT_S`` on two ticks in a row: CoDel's standing queue,
+  kernel wait of a tick over ``saturation.STANDING_WAIT_S`` on two ticks in a row: CoDel's standing queue,
   not one burst).  Not the loop's lag nor the tokenizer pool: a closed loop of clients saturates
   both at the router's capacity, and refusing it gains nothing.
 - *A rate for the whole router*: when it becomes short, the rate requests finished at (smoothed
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 log = logging.getLogger("kvroute.router")
 
-STANDING_WAIT_S = 0.05  # a tick whose every request waited this long in the kernel: a standing queue
 DECREASE = 0.95  # per tick while short of CPU: halves the rate in ~0.7 s
 INCREASE = 1.05  # per tick once not: doubles it in ~0.7 s (a rate left low serves less than it could)
 START = 0.9  # of the throughput measured when the router became short
